@@ -1,0 +1,1 @@
+"""pytrain: fast, safe LLM pretraining."""

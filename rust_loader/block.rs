@@ -1,0 +1,99 @@
+//! Turns one block (a few frames of one rank's epoch order) into rows or batches.
+//! The output is a pure function of the dataset, the configuration and (epoch, block).
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+
+use crate::dataset::Dataset;
+use crate::error::Result;
+use crate::order::RankOrder;
+use crate::pack::{bucket_batches, pack_rows, BucketSpec, PackStats, PackStrategy};
+use crate::rows::{BlockDocs, DocSpan, Rows};
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// Rows of `seq_len + 1` tokens, `batch_size` rows per batch.
+    Pack { seq_len: usize, batch_size: usize, strategy: PackStrategy },
+    /// One piece per row, rows grouped by bucket length.
+    Bucket(BucketSpec),
+}
+
+/// What one block yields: rows to be grouped into batches (pack) or whole batches (bucket).
+pub enum BlockOutput {
+    Rows(Rows),
+    Batches(Vec<Rows>),
+}
+
+impl BlockOutput {
+    /// Items are rows in pack mode and batches in bucket mode; the loader's position
+    /// inside a block counts items.
+    pub fn n_items(&self) -> usize {
+        match self {
+            BlockOutput::Rows(r) => r.n_rows,
+            BlockOutput::Batches(b) => b.len(),
+        }
+    }
+}
+
+pub struct Block {
+    pub output: BlockOutput,
+    pub stats: PackStats,
+}
+
+/// Reusable per-thread decoding state.
+pub struct Decoder {
+    zstd: zstd::bulk::Decompressor<'static>,
+}
+
+impl Decoder {
+    pub fn new() -> Self {
+        Decoder { zstd: zstd::bulk::Decompressor::new().expect("zstd context allocation") }
+    }
+}
+
+impl Default for Decoder {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Decodes the frames of a block and lists their documents, in frame order.
+pub fn read_block(ds: &Dataset, frames: &[u64], dec: &mut Decoder) -> Result<BlockDocs> {
+    let mut out = BlockDocs { dtype: ds.dtype, frames: Vec::with_capacity(frames.len()), docs: Vec::new() };
+    for (k, &g) in frames.iter().enumerate() {
+        let fr = ds.frames[g as usize];
+        let shard = &ds.shards[fr.shard as usize];
+        let mut buf = Vec::new();
+        shard.decode_frame(fr.frame as usize, &mut dec.zstd, &mut buf)?;
+        let entry = shard.frames()[fr.frame as usize];
+        let mut start = 0u32;
+        for d in entry.first_doc..entry.first_doc + entry.n_docs {
+            let len = shard.doc_len(d);
+            out.docs.push(DocSpan { frame: k as u32, start, len });
+            start += len;
+        }
+        out.frames.push(buf);
+    }
+    Ok(out)
+}
+
+pub fn make_block(ds: &Dataset, order: &RankOrder, mode: &Mode, epoch: u64, block: u64, dec: &mut Decoder) -> Result<Block> {
+    let frames = order.block_frames(epoch, block);
+    let mut docs = read_block(ds, &frames, dec)?;
+    let mut rng = ChaCha8Rng::seed_from_u64(order.block_seed(epoch, block));
+    if order.shuffle {
+        docs.docs.shuffle(&mut rng);
+    }
+    let rng = order.shuffle.then_some(&mut rng);
+    let (output, stats) = match mode {
+        Mode::Pack { seq_len, strategy, .. } => {
+            let (rows, stats) = pack_rows(&docs, seq_len + 1, *strategy, rng);
+            (BlockOutput::Rows(rows), stats)
+        }
+        Mode::Bucket(spec) => {
+            let (batches, stats) = bucket_batches(&docs, spec, rng);
+            (BlockOutput::Batches(batches), stats)
+        }
+    };
+    Ok(Block { output, stats })
+}

@@ -1,0 +1,127 @@
+//! A dataset directory: `manifest.json` plus shard files, opened and cross-checked.
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use crate::error::{Error, Result};
+use crate::format::{checksum, TokenDtype};
+use crate::shard_reader::ShardReader;
+
+pub const MANIFEST: &str = "manifest.json";
+pub const FORMAT_NAME: &str = "pytrain-token-shards";
+
+#[derive(Debug, Deserialize)]
+pub struct ManifestShard {
+    pub file: String,
+    pub documents: u64,
+    pub tokens: u64,
+    pub frames: u64,
+    pub bytes: u64,
+    /// xxh3-64 of the whole shard file, as 16 hex digits.
+    pub xxh3_64: String,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct Manifest {
+    pub format: String,
+    pub format_version: u32,
+    pub dtype: String,
+    pub shards: Vec<ManifestShard>,
+}
+
+/// Where a global frame lives.
+#[derive(Clone, Copy, Debug)]
+pub struct FrameRef {
+    pub shard: u32,
+    pub frame: u32,
+}
+
+pub struct Dataset {
+    pub dir: PathBuf,
+    pub dtype: TokenDtype,
+    pub shards: Vec<ShardReader>,
+    /// Global frame id -> (shard, frame). O(frames), never O(documents).
+    pub frames: Vec<FrameRef>,
+    /// xxh3-64 of manifest.json's bytes: identifies the dataset in a saved loader state.
+    pub manifest_hash: u64,
+    pub manifest: Manifest,
+}
+
+fn manifest_err(path: &Path, detail: impl Into<String>) -> Error {
+    Error::Manifest { path: path.to_path_buf(), detail: detail.into() }
+}
+
+impl Dataset {
+    /// Opens `dir`, maps every shard and checks each against the manifest's counts.
+    pub fn open(dir: &Path) -> Result<Self> {
+        let mpath = dir.join(MANIFEST);
+        let bytes = std::fs::read(&mpath).map_err(|e| Error::io(&mpath, e))?;
+        let manifest: Manifest =
+            serde_json::from_slice(&bytes).map_err(|e| manifest_err(&mpath, e.to_string()))?;
+        if manifest.format != FORMAT_NAME {
+            return Err(manifest_err(&mpath, format!("field 'format' is {:?}, want {FORMAT_NAME:?}", manifest.format)));
+        }
+        if manifest.format_version != crate::format::VERSION {
+            return Err(manifest_err(&mpath, format!(
+                "field 'format_version' is {}, this build reads {}",
+                manifest.format_version,
+                crate::format::VERSION
+            )));
+        }
+        let dtype = TokenDtype::from_name(&manifest.dtype)
+            .ok_or_else(|| manifest_err(&mpath, format!("field 'dtype' is {:?}", manifest.dtype)))?;
+        if manifest.shards.is_empty() {
+            return Err(manifest_err(&mpath, "field 'shards' is empty"));
+        }
+        let mut shards = Vec::with_capacity(manifest.shards.len());
+        let mut frames = Vec::new();
+        for (si, ms) in manifest.shards.iter().enumerate() {
+            let reader = ShardReader::open(&dir.join(&ms.file))?;
+            let field = |name: &str, want: u64, got: u64| -> Result<()> {
+                if want == got {
+                    Ok(())
+                } else {
+                    Err(manifest_err(&mpath, format!(
+                        "shards[{si}].{name} is {want} but {} has {got}",
+                        ms.file
+                    )))
+                }
+            };
+            field("documents", ms.documents, reader.n_docs())?;
+            field("tokens", ms.tokens, reader.n_tokens())?;
+            field("frames", ms.frames, reader.frames().len() as u64)?;
+            field("bytes", ms.bytes, reader.file_len())?;
+            if reader.dtype() != dtype {
+                return Err(manifest_err(&mpath, format!("{} holds {} tokens, manifest says {}", ms.file, reader.dtype().name(), dtype.name())));
+            }
+            for f in 0..reader.frames().len() {
+                frames.push(FrameRef { shard: si as u32, frame: f as u32 });
+            }
+            shards.push(reader);
+        }
+        Ok(Dataset { dir: dir.to_path_buf(), dtype, shards, frames, manifest_hash: checksum(&bytes), manifest })
+    }
+
+    pub fn n_frames(&self) -> usize {
+        self.frames.len()
+    }
+
+    pub fn n_docs(&self) -> u64 {
+        self.shards.iter().map(|s| s.n_docs()).sum()
+    }
+
+    pub fn n_tokens(&self) -> u64 {
+        self.shards.iter().map(|s| s.n_tokens()).sum()
+    }
+
+    /// Verifies every frame checksum and every whole-file checksum against the manifest.
+    pub fn verify(&self) -> Result<()> {
+        for (ms, reader) in self.manifest.shards.iter().zip(&self.shards) {
+            let want = u64::from_str_radix(&ms.xxh3_64, 16).map_err(|_| {
+                manifest_err(&self.dir.join(MANIFEST), format!("{}: xxh3_64 {:?} is not hex", ms.file, ms.xxh3_64))
+            })?;
+            reader.verify(Some(want))?;
+        }
+        Ok(())
+    }
+}

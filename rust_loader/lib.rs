@@ -1,0 +1,19 @@
+//! rust_loader: the token-shard format and a batch loader for LLM pretraining.
+//!
+//! The pure-Rust core (everything but `python`) knows nothing of Python; the `python`
+//! feature adds the PyO3 bindings that maturin builds as `pytrain._loader`.
+pub mod block;
+pub mod dataset;
+pub mod error;
+pub mod format;
+pub mod loader;
+pub mod order;
+pub mod pack;
+pub mod rows;
+pub mod shard_reader;
+pub mod shard_writer;
+
+#[cfg(feature = "python")]
+mod python;
+
+pub use error::{Error, Result};

@@ -1,0 +1,339 @@
+//! PyO3 bindings, built by maturin as `pytrain._loader`. This layer only converts types
+//! and errors; the public Python API is `pytrain.data` and `pytrain.shards`.
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use pyo3::create_exception;
+use pyo3::exceptions::{PyException, PyFileNotFoundError, PyOSError, PyPermissionError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+
+use crate::block::Mode;
+use crate::dataset::Dataset;
+use crate::error::{panic_message, Error};
+use crate::format::TokenDtype;
+use crate::loader::{resume_position, Loader, LoaderConfig, LoaderState, Position, SlotBuffers};
+use crate::pack::{BucketSpec, PackStrategy};
+use crate::shard_writer::ShardWriter;
+
+create_exception!(pytrain._loader, LoaderError, PyException, "Base class of the loader's errors.");
+create_exception!(pytrain._loader, CorruptShardError, LoaderError, "A shard's bytes disagree with its checksums or index.");
+create_exception!(pytrain._loader, ManifestError, LoaderError, "manifest.json is missing, malformed or disagrees with the shards.");
+create_exception!(pytrain._loader, StateError, LoaderError, "A saved loader state does not fit this dataset or configuration.");
+
+fn to_py(e: Error) -> PyErr {
+    let msg = e.to_string();
+    match e {
+        Error::Io { source, .. } => match source.kind() {
+            std::io::ErrorKind::NotFound => PyFileNotFoundError::new_err(msg),
+            std::io::ErrorKind::PermissionDenied => PyPermissionError::new_err(msg),
+            _ => PyOSError::new_err(msg),
+        },
+        Error::CorruptShard { .. } => CorruptShardError::new_err(msg),
+        Error::Manifest { .. } => ManifestError::new_err(msg),
+        Error::State(_) => StateError::new_err(msg),
+        Error::InvalidArgument(_) => PyValueError::new_err(msg),
+        Error::Internal(_) => LoaderError::new_err(msg),
+    }
+}
+
+/// Runs `f` with the GIL released, turning errors and panics into Python exceptions.
+fn run<T: Send>(py: Python<'_>, f: impl FnOnce() -> crate::Result<T> + Send) -> PyResult<T> {
+    py.detach(|| std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)))
+        .unwrap_or_else(|p| Err(Error::Internal(panic_message(p))))
+        .map_err(to_py)
+}
+
+fn u32s(bytes: &[u8], what: &str) -> PyResult<Vec<u32>> {
+    if bytes.len() % 4 != 0 {
+        return Err(PyValueError::new_err(format!("{what}: {} bytes is not a whole number of uint32", bytes.len())));
+    }
+    Ok(bytes.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+}
+
+#[pyclass(name = "ShardWriter", module = "pytrain._loader")]
+struct PyShardWriter {
+    inner: Mutex<Option<ShardWriter>>,
+}
+
+#[pymethods]
+impl PyShardWriter {
+    #[new]
+    #[pyo3(signature = (path, dtype, frame_bytes = 2 << 20, level = 3))]
+    fn new(py: Python<'_>, path: PathBuf, dtype: &str, frame_bytes: usize, level: i32) -> PyResult<Self> {
+        let dtype = TokenDtype::from_name(dtype)
+            .ok_or_else(|| PyValueError::new_err(format!("dtype {dtype:?} is not 'uint16' or 'uint32'")))?;
+        let w = run(py, || ShardWriter::create(&path, dtype, frame_bytes, level))?;
+        Ok(PyShardWriter { inner: Mutex::new(Some(w)) })
+    }
+
+    /// Appends documents: `tokens` holds little-endian uint32 ids of all documents back
+    /// to back, `lengths` their lengths (uint32). Compression runs without the GIL.
+    fn add_documents(&self, py: Python<'_>, tokens: &[u8], lengths: &[u8]) -> PyResult<()> {
+        let tokens = u32s(tokens, "tokens")?;
+        let lengths = u32s(lengths, "lengths")?;
+        if lengths.iter().map(|&l| l as u64).sum::<u64>() != tokens.len() as u64 {
+            return Err(PyValueError::new_err("lengths do not add up to the number of tokens"));
+        }
+        run(py, || {
+            let mut guard = self.inner.lock().unwrap();
+            let w = guard.as_mut().ok_or_else(|| Error::InvalidArgument("writer is finished".into()))?;
+            let mut at = 0usize;
+            for &l in &lengths {
+                w.add_document(&tokens[at..at + l as usize])?;
+                at += l as usize;
+            }
+            Ok(())
+        })
+    }
+
+    #[getter]
+    fn bytes_written(&self) -> u64 {
+        self.inner.lock().unwrap().as_ref().map_or(0, |w| w.bytes_written())
+    }
+
+    #[getter]
+    fn documents(&self) -> u64 {
+        self.inner.lock().unwrap().as_ref().map_or(0, |w| w.documents())
+    }
+
+    /// Writes index and footer, syncs, and returns the shard's summary for the manifest.
+    fn finish<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = run(py, || {
+            let w = self.inner.lock().unwrap().take().ok_or_else(|| Error::InvalidArgument("writer is finished".into()))?;
+            w.finish()
+        })?;
+        let d = PyDict::new(py);
+        d.set_item("documents", s.documents)?;
+        d.set_item("tokens", s.tokens)?;
+        d.set_item("frames", s.frames)?;
+        d.set_item("bytes", s.bytes)?;
+        d.set_item("xxh3_64", format!("{:016x}", s.checksum))?;
+        Ok(d)
+    }
+}
+
+#[pyclass(name = "Dataset", module = "pytrain._loader", frozen)]
+struct PyDataset {
+    inner: Arc<Dataset>,
+}
+
+#[pymethods]
+impl PyDataset {
+    #[new]
+    fn new(py: Python<'_>, path: PathBuf) -> PyResult<Self> {
+        Ok(PyDataset { inner: Arc::new(run(py, || Dataset::open(&path))?) })
+    }
+    #[getter]
+    fn n_docs(&self) -> u64 {
+        self.inner.n_docs()
+    }
+    #[getter]
+    fn n_tokens(&self) -> u64 {
+        self.inner.n_tokens()
+    }
+    #[getter]
+    fn n_frames(&self) -> usize {
+        self.inner.n_frames()
+    }
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        self.inner.dtype.name()
+    }
+    #[getter]
+    fn manifest_hash(&self) -> String {
+        format!("{:016x}", self.inner.manifest_hash)
+    }
+
+    /// Checks every frame checksum and every shard's file checksum.
+    fn verify(&self, py: Python<'_>) -> PyResult<()> {
+        run(py, || self.inner.verify())
+    }
+
+    /// Where global frame `frame` lives: (shard file, byte offset, compressed length, tokens).
+    fn frame_location(&self, frame: usize) -> PyResult<(String, u64, u64, u64)> {
+        let fr = *self.inner.frames.get(frame).ok_or_else(|| PyValueError::new_err(format!("no frame {frame}")))?;
+        let shard = &self.inner.shards[fr.shard as usize];
+        let e = shard.frames()[fr.frame as usize];
+        Ok((shard.name().to_string(), e.offset, e.compressed_len, e.n_tokens))
+    }
+
+    /// Decodes global frame `frame`: its tokens (little-endian bytes of the dataset's
+    /// dtype) and the lengths of its documents.
+    fn read_frame<'py>(&self, py: Python<'py>, frame: usize) -> PyResult<(Bound<'py, PyBytes>, Vec<u32>)> {
+        let ds = self.inner.clone();
+        let docs = run(py, move || crate::block::read_block(&ds, &[frame as u64], &mut crate::block::Decoder::new()))?;
+        let lens = docs.docs.iter().map(|d| d.len).collect();
+        Ok((PyBytes::new(py, &docs.frames[0]), lens))
+    }
+}
+
+/// Reads a tensor's data pointer after checking what the loader relies on.
+fn tensor_ptr(t: &Bound<'_, PyAny>, elem_size: usize, need: usize, what: &str) -> PyResult<usize> {
+    let size: usize = t.call_method0("element_size")?.extract()?;
+    let numel: usize = t.call_method0("numel")?.extract()?;
+    let contiguous: bool = t.call_method0("is_contiguous")?.extract()?;
+    let device: String = t.getattr("device")?.getattr("type")?.extract()?;
+    if size != elem_size || numel < need || !contiguous || device != "cpu" {
+        return Err(PyValueError::new_err(format!(
+            "slot tensor {what}: need a contiguous CPU tensor of {need} elements of {elem_size} bytes, \
+             got {numel} of {size} bytes on {device} (contiguous: {contiguous})"
+        )));
+    }
+    t.call_method0("data_ptr")?.extract()
+}
+
+fn state_to_dict<'py>(py: Python<'py>, s: &LoaderState) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("version", 1)?;
+    d.set_item("manifest_hash", format!("{:016x}", s.manifest_hash))?;
+    d.set_item("config", format!("{:016x}", s.config_fingerprint))?;
+    d.set_item("rank", s.rank)?;
+    d.set_item("world_size", s.world_size)?;
+    d.set_item("epoch", s.position.epoch)?;
+    d.set_item("block", s.position.block)?;
+    d.set_item("item", s.position.item)?;
+    Ok(d)
+}
+
+fn state_from_dict(d: &Bound<'_, PyDict>) -> PyResult<LoaderState> {
+    let get = |k: &str| -> PyResult<Bound<'_, PyAny>> {
+        d.get_item(k)?.ok_or_else(|| StateError::new_err(format!("loader state has no field {k:?}")))
+    };
+    let hex = |k: &str| -> PyResult<u64> {
+        let s: String = get(k)?.extract()?;
+        u64::from_str_radix(&s, 16).map_err(|_| StateError::new_err(format!("loader state field {k:?} is not hex")))
+    };
+    let version: u32 = get("version")?.extract()?;
+    if version != 1 {
+        return Err(StateError::new_err(format!("loader state version {version}, this build reads 1")));
+    }
+    Ok(LoaderState {
+        manifest_hash: hex("manifest_hash")?,
+        config_fingerprint: hex("config")?,
+        rank: get("rank")?.extract()?,
+        world_size: get("world_size")?.extract()?,
+        position: Position { epoch: get("epoch")?.extract()?, block: get("block")?.extract()?, item: get("item")?.extract()? },
+    })
+}
+
+#[pyclass(name = "Loader", module = "pytrain._loader", frozen)]
+struct PyLoader {
+    inner: Loader,
+}
+
+#[pymethods]
+impl PyLoader {
+    #[new]
+    #[pyo3(signature = (dataset, slots, *, mode, seq_len, batch_size, bucket_lengths, token_budget,
+                        strategy, seed, shuffle, rank, world_size, frames_per_block, num_epochs,
+                        threads, prefetch_blocks, state=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        dataset: &PyDataset,
+        slots: Vec<Bound<'_, PyAny>>,
+        mode: &str,
+        seq_len: usize,
+        batch_size: usize,
+        bucket_lengths: Vec<usize>,
+        token_budget: usize,
+        strategy: &str,
+        seed: u64,
+        shuffle: bool,
+        rank: u64,
+        world_size: u64,
+        frames_per_block: u64,
+        num_epochs: Option<u64>,
+        threads: usize,
+        prefetch_blocks: usize,
+        state: Option<Bound<'_, PyDict>>,
+    ) -> PyResult<Self> {
+        let strategy = match strategy {
+            "best_fit" => PackStrategy::BestFit,
+            "concat" => PackStrategy::Concat,
+            s => return Err(PyValueError::new_err(format!("strategy {s:?} is not 'best_fit' or 'concat'"))),
+        };
+        let mode = match mode {
+            "pack" => Mode::Pack { seq_len, batch_size, strategy },
+            "bucket" => Mode::Bucket(BucketSpec { lengths: bucket_lengths, token_budget }),
+            m => return Err(PyValueError::new_err(format!("mode {m:?} is not 'pack' or 'bucket'"))),
+        };
+        let config = LoaderConfig { mode, seed, shuffle, rank, world_size, frames_per_block, num_epochs, threads, prefetch_blocks };
+        let need = config.slot_elems();
+        let mut bufs = Vec::with_capacity(slots.len());
+        for (i, slot) in slots.iter().enumerate() {
+            let parts: Vec<Bound<'_, PyAny>> = slot.extract()?;
+            if parts.len() != 4 {
+                return Err(PyValueError::new_err(format!("slot {i}: need 4 tensors (tokens, position_ids, doc_ids, loss_mask)")));
+            }
+            let t = tensor_ptr(&parts[0], 4, need, "tokens")?;
+            let p = tensor_ptr(&parts[1], 4, need, "position_ids")?;
+            let d = tensor_ptr(&parts[2], 4, need, "doc_ids")?;
+            let m = tensor_ptr(&parts[3], 1, need, "loss_mask")?;
+            let owner: Box<dyn Send> = Box::new(slot.clone().unbind());
+            // SAFETY: each pointer is the data of a contiguous CPU tensor of at least
+            // `need` elements of the right size (checked above); `owner` keeps those
+            // tensors alive as long as the slot exists. The Python wrapper creates these
+            // tensors itself and never writes to them.
+            bufs.push(unsafe { SlotBuffers::foreign(t as *mut i32, p as *mut i32, d as *mut i32, m as *mut u8, need, owner) });
+        }
+        let ds = dataset.inner.clone();
+        let start = match state {
+            Some(s) => {
+                let s = state_from_dict(&s)?;
+                resume_position(&ds, &config, &s).map_err(to_py)?
+            }
+            None => Position::default(),
+        };
+        let inner = run(py, move || Loader::new(ds, config, bufs, start))?;
+        Ok(PyLoader { inner })
+    }
+
+    /// Blocks (without the GIL) until a batch is ready. Returns
+    /// (slot, rows, width, epoch, doc_tokens, pad_tokens), or None after the last epoch.
+    fn next(&self, py: Python<'_>) -> PyResult<Option<(usize, usize, usize, u64, u64, u64)>> {
+        let b = run(py, || self.inner.next())?;
+        Ok(b.map(|b| (b.slot, b.rows, b.width, b.epoch, b.doc_tokens, b.pad_tokens)))
+    }
+
+    fn release(&self, slot: usize) -> PyResult<()> {
+        self.inner.release(slot).map_err(to_py)
+    }
+
+    fn state<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        state_to_dict(py, &self.inner.state())
+    }
+
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.inner.stats();
+        let d = PyDict::new(py);
+        d.set_item("batches", s.batches)?;
+        d.set_item("doc_tokens", s.doc_tokens)?;
+        d.set_item("pad_tokens", s.pad_tokens)?;
+        d.set_item("wait_s", s.wait_ns as f64 * 1e-9)?;
+        d.set_item("documents_packed", s.documents_packed)?;
+        d.set_item("documents_cut", s.documents_cut)?;
+        Ok(d)
+    }
+
+    #[getter]
+    fn blocks_per_epoch(&self) -> u64 {
+        self.inner.blocks_per_epoch()
+    }
+}
+
+#[pymodule]
+#[pyo3(name = "_loader")]
+fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add_class::<PyShardWriter>()?;
+    m.add_class::<PyDataset>()?;
+    m.add_class::<PyLoader>()?;
+    m.add("LoaderError", py.get_type::<LoaderError>())?;
+    m.add("CorruptShardError", py.get_type::<CorruptShardError>())?;
+    m.add("ManifestError", py.get_type::<ManifestError>())?;
+    m.add("StateError", py.get_type::<StateError>())?;
+    m.add("FORMAT_VERSION", crate::format::VERSION)?;
+    Ok(())
+}

@@ -1,0 +1,157 @@
+//! Reads one memory-mapped shard: the footer and index are validated on open; a frame's
+//! checksum is verified each time it is decoded.
+use std::fs::File;
+use std::path::Path;
+
+use memmap2::Mmap;
+
+use crate::error::{Error, Result};
+use crate::format::{
+    checksum, read_u32, read_u64, FrameEntry, Footer, TokenDtype, FRAME_ENTRY_LEN, FOOTER_LEN,
+    INDEX_HEADER_LEN,
+};
+
+pub struct ShardReader {
+    name: String,
+    mmap: Mmap,
+    dtype: TokenDtype,
+    frames: Vec<FrameEntry>,
+    /// Byte offset in the file of the per-document lengths (u32 each).
+    doc_lengths_at: usize,
+    n_docs: u64,
+}
+
+impl ShardReader {
+    /// Maps `path` and validates footer, index checksum and frame bounds.
+    pub fn open(path: &Path) -> Result<Self> {
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| path.display().to_string());
+        let file = File::open(path).map_err(|e| Error::io(path, e))?;
+        // SAFETY: the map is read-only and shards are never written after their atomic
+        // rename into place. A file truncated by another process underneath us could raise
+        // SIGBUS; that is the documented contract of every mmap-based reader.
+        let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+        Self::from_mmap(name, mmap)
+    }
+
+    fn from_mmap(name: String, mmap: Mmap) -> Result<Self> {
+        let footer = Footer::parse(&mmap, &name)?;
+        let body_len = (mmap.len() - FOOTER_LEN) as u64;
+        let index_end = footer.index_offset.checked_add(footer.index_len);
+        if index_end != Some(body_len) || footer.index_len < INDEX_HEADER_LEN as u64 {
+            return Err(Error::corrupt(&name, None, "index location in footer does not match file size"));
+        }
+        let index = &mmap[footer.index_offset as usize..body_len as usize];
+        if checksum(index) != footer.index_checksum {
+            return Err(Error::corrupt(&name, None, "index checksum mismatch"));
+        }
+        let n_frames = read_u64(index, 0);
+        let n_docs = read_u64(index, 8);
+        let expect = (INDEX_HEADER_LEN as u64)
+            .checked_add(n_frames.saturating_mul(FRAME_ENTRY_LEN as u64))
+            .and_then(|v| v.checked_add(n_docs.saturating_mul(4)));
+        if expect != Some(footer.index_len) {
+            return Err(Error::corrupt(&name, None, "index length disagrees with its frame and document counts"));
+        }
+        let frames: Vec<FrameEntry> = (0..n_frames as usize)
+            .map(|i| FrameEntry::from_bytes(&index[INDEX_HEADER_LEN + i * FRAME_ENTRY_LEN..]))
+            .collect();
+        let mut next_doc = 0u64;
+        for (i, f) in frames.iter().enumerate() {
+            let end = f.offset.checked_add(f.compressed_len);
+            if end.is_none_or(|e| e > footer.index_offset) || f.first_doc != next_doc || f.n_docs == 0 {
+                return Err(Error::corrupt(&name, Some(i), "frame entry out of bounds or out of order"));
+            }
+            next_doc += f.n_docs;
+        }
+        if next_doc != n_docs {
+            return Err(Error::corrupt(&name, None, "frames do not cover every document"));
+        }
+        let doc_lengths_at =
+            footer.index_offset as usize + INDEX_HEADER_LEN + n_frames as usize * FRAME_ENTRY_LEN;
+        Ok(ShardReader { name, mmap, dtype: footer.dtype, frames, doc_lengths_at, n_docs })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+    pub fn dtype(&self) -> TokenDtype {
+        self.dtype
+    }
+    pub fn frames(&self) -> &[FrameEntry] {
+        &self.frames
+    }
+    pub fn n_docs(&self) -> u64 {
+        self.n_docs
+    }
+    pub fn n_tokens(&self) -> u64 {
+        self.frames.iter().map(|f| f.n_tokens).sum()
+    }
+    pub fn file_len(&self) -> u64 {
+        self.mmap.len() as u64
+    }
+
+    /// Length in tokens of document `doc` (shard-local index), read from the mapped index.
+    #[inline]
+    pub fn doc_len(&self, doc: u64) -> u32 {
+        read_u32(&self.mmap, self.doc_lengths_at + 4 * doc as usize)
+    }
+
+    /// The compressed bytes of frame `i`, exactly as stored (an ordinary zstd frame).
+    pub fn raw_frame(&self, i: usize) -> &[u8] {
+        let f = &self.frames[i];
+        &self.mmap[f.offset as usize..(f.offset + f.compressed_len) as usize]
+    }
+
+    /// Verifies the checksum of frame `i` and decompresses its tokens into `out`
+    /// (little-endian bytes, `n_tokens * width` long).
+    pub fn decode_frame(
+        &self,
+        i: usize,
+        decompressor: &mut zstd::bulk::Decompressor<'_>,
+        out: &mut Vec<u8>,
+    ) -> Result<()> {
+        let f = self.frames.get(i).ok_or_else(|| {
+            Error::corrupt(&self.name, Some(i), format!("shard has only {} frames", self.frames.len()))
+        })?;
+        let raw = self.raw_frame(i);
+        if checksum(raw) != f.checksum {
+            return Err(Error::corrupt(&self.name, Some(i), "frame checksum mismatch"));
+        }
+        let want = f.n_tokens as usize * self.dtype.width();
+        out.clear();
+        out.reserve(want);
+        let got = decompressor
+            .decompress_to_buffer(raw, out)
+            .map_err(|e| Error::corrupt(&self.name, Some(i), format!("zstd: {e}")))?;
+        if got != want {
+            return Err(Error::corrupt(
+                &self.name,
+                Some(i),
+                format!("decoded {got} bytes, index says {want}"),
+            ));
+        }
+        let doc_sum: u64 = (0..f.n_docs).map(|d| self.doc_len(f.first_doc + d) as u64).sum();
+        if doc_sum != f.n_tokens {
+            return Err(Error::corrupt(&self.name, Some(i), "document lengths do not add up to the frame's tokens"));
+        }
+        Ok(())
+    }
+
+    /// Checks the checksum of every frame and the whole file against `file_checksum`.
+    pub fn verify(&self, file_checksum: Option<u64>) -> Result<()> {
+        let mut dec = zstd::bulk::Decompressor::new().map_err(|e| Error::corrupt(&self.name, None, e.to_string()))?;
+        let mut buf = Vec::new();
+        for i in 0..self.frames.len() {
+            self.decode_frame(i, &mut dec, &mut buf)?;
+        }
+        if let Some(want) = file_checksum {
+            if checksum(&self.mmap) != want {
+                return Err(Error::corrupt(&self.name, None, "file checksum does not match the manifest"));
+            }
+        }
+        Ok(())
+    }
+}
