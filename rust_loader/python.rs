@@ -145,6 +145,18 @@ impl PyDataset {
         format!("{:016x}", self.inner.manifest_hash)
     }
 
+    /// Lengths of every document in file order (little-endian uint32), read from the
+    /// shard indexes without decoding any frame.
+    fn doc_lengths<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        let mut out = Vec::with_capacity(self.inner.n_docs() as usize * 4);
+        for s in &self.inner.shards {
+            for d in 0..s.n_docs() {
+                out.extend(s.doc_len(d).to_le_bytes());
+            }
+        }
+        PyBytes::new(py, &out)
+    }
+
     /// Checks every frame checksum and every shard's file checksum.
     fn verify(&self, py: Python<'_>) -> PyResult<()> {
         run(py, || self.inner.verify())

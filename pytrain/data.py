@@ -1,0 +1,249 @@
+"""`TokenLoader`: batches from a token-shard dataset, filled by Rust threads into a ring
+of (pinned, where CUDA is present) host buffers, exposed to Python without a copy.
+
+    loader = TokenLoader("data/ds", seq_len=1024, batch_size=8)
+    for batch in loader:
+        gpu = batch.to("cuda")     # non-blocking copy; the slot is released when it is done
+        ...
+
+A slot is written by Rust only while it is free; the consumer gets it, reads it (or
+copies it to the GPU) and releases it. `state_dict()` is a handful of integers; loading
+it yields exactly the batches an uninterrupted run would have produced next."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from pytrain import _loader
+from pytrain._loader import CorruptShardError, LoaderError, ManifestError, StateError
+
+__all__ = [
+    "TokenLoader",
+    "LoaderConfig",
+    "HostBatch",
+    "DeviceBatch",
+    "LoaderError",
+    "CorruptShardError",
+    "ManifestError",
+    "StateError",
+]
+
+
+@dataclass
+class LoaderConfig:
+    """How batches are cut. Everything but `threads`, `prefetch_blocks` and `slots`
+    changes the batches and is checked against a saved state."""
+
+    mode: str = "pack"
+    """'pack': rows of seq_len+1 tokens filled with whole documents (cut only when longer
+    than a row). 'bucket': one document per row, rows grouped by length bucket."""
+    seq_len: int = 1024
+    batch_size: int = 8
+    strategy: str = "best_fit"
+    """Packing: 'best_fit' (best-fit decreasing) or 'concat' (concatenate and split)."""
+    bucket_lengths: Sequence[int] = (128, 256, 512, 1024, 2048)
+    token_budget: int = 16384
+    """Bucket mode: tokens per batch; a batch of bucket L has token_budget // L rows."""
+    seed: int = 0
+    shuffle: bool = True
+    frames_per_block: int = 4
+    """Frames whose documents are shuffled and packed together (memory ~ 2 MiB each)."""
+    num_epochs: int | None = None
+    """Stop after this many epochs; None streams epoch after epoch."""
+    threads: int = 2
+    prefetch_blocks: int = 0
+    """Blocks decoded ahead; 0 means 2 per thread."""
+    slots: int = 4
+    """Batches buffered ahead of the consumer."""
+    pin_memory: bool | None = None
+    """None: pin when CUDA is available."""
+    rank: int = 0
+    world_size: int = 1
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class HostBatch:
+    """A batch in a loader slot. `tokens` etc. are views of the slot (no copy): valid
+    until `release()`. Rows hold seq_len+1 tokens: inputs are [:, :-1], targets [:, 1:]."""
+
+    tokens: torch.Tensor
+    position_ids: torch.Tensor
+    doc_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    epoch: int
+    doc_tokens: int
+    pad_tokens: int
+    _slot: int
+    _loader: _loader.Loader | None
+
+    @property
+    def inputs(self) -> torch.Tensor:
+        return self.tokens[:, :-1]
+
+    @property
+    def targets(self) -> torch.Tensor:
+        return self.tokens[:, 1:]
+
+    @property
+    def loss_tokens(self) -> int:
+        """Targets that count in the loss (mask is 1)."""
+        return int(self.loss_mask[:, :-1].sum())
+
+    def release(self) -> None:
+        """Gives the slot back to the loader; the views must not be used afterwards."""
+        if self._loader is not None:
+            self._loader.release(self._slot)
+            self._loader = None
+
+    def to(self, device: torch.device | str) -> DeviceBatch:
+        """Copies to `device` (non-blocking from pinned memory) and releases the slot as
+        soon as the copy has completed. On the CPU it copies and releases at once."""
+        device = torch.device(device)
+        if device.type == "cpu":
+            out = DeviceBatch.of(self, lambda t: t.clone())
+            self.release()
+            return out
+        out = DeviceBatch.of(self, lambda t: t.to(device, non_blocking=True))
+        out._pending_release = self
+        out._copy_done = torch.cuda.Event()
+        out._copy_done.record()
+        return out
+
+
+@dataclass
+class DeviceBatch:
+    """A batch on the training device; model-ready views plus the loss mask."""
+
+    input_ids: torch.Tensor
+    targets: torch.Tensor
+    position_ids: torch.Tensor
+    doc_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    epoch: int
+    doc_tokens: int
+    pad_tokens: int
+    _pending_release: HostBatch | None = None
+    _copy_done: torch.cuda.Event | None = None
+
+    @staticmethod
+    def of(b: HostBatch, move) -> DeviceBatch:
+        tokens = move(b.tokens)
+        return DeviceBatch(
+            input_ids=tokens[:, :-1],
+            targets=tokens[:, 1:].long(),
+            position_ids=move(b.position_ids)[:, :-1],
+            doc_ids=move(b.doc_ids)[:, :-1],
+            loss_mask=move(b.loss_mask)[:, :-1].bool(),
+            epoch=b.epoch,
+            doc_tokens=b.doc_tokens,
+            pad_tokens=b.pad_tokens,
+        )
+
+    def release_host(self, wait: bool = False) -> bool:
+        """Releases the host slot if the copy has finished (or waits for it)."""
+        if self._pending_release is None:
+            return True
+        if wait:
+            self._copy_done.synchronize()
+        elif not self._copy_done.query():
+            return False
+        self._pending_release.release()
+        self._pending_release = None
+        return True
+
+
+class TokenLoader:
+    """Iterable of `HostBatch` over a token-shard dataset; see the module docstring."""
+
+    def __init__(self, path: str | Path, config: LoaderConfig | None = None, **overrides):
+        self.path = Path(path)
+        self.config = config or LoaderConfig()
+        for k, v in overrides.items():
+            if not hasattr(self.config, k):
+                raise TypeError(f"TokenLoader has no option {k!r}")
+            setattr(self.config, k, v)
+        self.dataset = _loader.Dataset(str(self.path))
+        self._inner: _loader.Loader | None = None
+        self._state: dict | None = None
+        self._start()
+
+    def _slot_elems(self) -> int:
+        c = self.config
+        if c.mode == "pack":
+            return (c.seq_len + 1) * c.batch_size
+        return max(max(1, c.token_budget // n) * (n + 1) for n in c.bucket_lengths)
+
+    def _start(self) -> None:
+        c = self.config
+        pin = torch.cuda.is_available() if c.pin_memory is None else c.pin_memory
+        n = self._slot_elems()
+        # Fresh slot memory on every (re)start: batches still held from an earlier start
+        # keep their own memory and are never overwritten.
+        self._slots = [
+            tuple(
+                torch.empty(n, dtype=dt, pin_memory=pin)
+                for dt in (torch.int32, torch.int32, torch.int32, torch.uint8)
+            )
+            for _ in range(c.slots)
+        ]
+        self._inner = None  # stop the old threads before starting new ones
+        self._inner = _loader.Loader(
+            self.dataset,
+            self._slots,
+            mode=c.mode,
+            seq_len=c.seq_len,
+            batch_size=c.batch_size,
+            bucket_lengths=sorted(c.bucket_lengths),
+            token_budget=c.token_budget,
+            strategy=c.strategy,
+            seed=c.seed,
+            shuffle=c.shuffle,
+            rank=c.rank,
+            world_size=c.world_size,
+            frames_per_block=c.frames_per_block,
+            num_epochs=c.num_epochs,
+            threads=c.threads,
+            prefetch_blocks=c.prefetch_blocks or 2 * c.threads,
+            state=self._state,
+        )
+
+    def __iter__(self) -> Iterator[HostBatch]:
+        return self
+
+    def __next__(self) -> HostBatch:
+        got = self._inner.next()
+        if got is None:
+            raise StopIteration
+        slot, rows, width, epoch, doc_tokens, pad_tokens = got
+        n = rows * width
+        t, p, d, m = (x[:n].view(rows, width) for x in self._slots[slot])
+        return HostBatch(t, p, d, m, epoch, doc_tokens, pad_tokens, slot, self._inner)
+
+    def state_dict(self) -> dict:
+        """Where the next batch starts: a few integers plus dataset/config fingerprints."""
+        return dict(self._inner.state())
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restarts so the next batch is the one after `state` was saved. Raises
+        StateError if the dataset or the batch-shaping settings changed."""
+        self._state = dict(state)
+        self._start()
+
+    @property
+    def epoch(self) -> int:
+        return int(self._inner.state()["epoch"])
+
+    def stats(self) -> dict:
+        return dict(self._inner.stats())
+
+    @property
+    def n_tokens(self) -> int:
+        return self.dataset.n_tokens
+
+    def close(self) -> None:
+        self._inner = None

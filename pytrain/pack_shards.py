@@ -1,0 +1,175 @@
+"""`pack-shards`: pretokenize raw text into a token-shard dataset, and check one.
+
+    pack-shards INPUT... -o OUT [--tokenizer tokenizer.json|byte] [options]
+    pack-shards verify DATASET
+    pack-shards inspect DATASET [--plot lengths.png]
+
+Exit codes: 0 success; 1 bad input (file:line in the message); 2 bad arguments;
+3 the output already exists; 4 verification failed."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+EXIT_INPUT, EXIT_USAGE, EXIT_EXISTS, EXIT_CORRUPT = 1, 2, 3, 4
+
+
+def _pack_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pack-shards", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("inputs", nargs="+", help="files, directories or globs (.txt .jsonl .jsonl.gz .jsonl.zst .parquet)")
+    p.add_argument("-o", "--output", required=True, type=Path, help="dataset directory to create")
+    p.add_argument("--tokenizer", default="byte", help="path to a Hugging Face tokenizer.json, or 'byte' (built in)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "uint16", "uint32"], help="token dtype on disk")
+    p.add_argument("--text-field", default="text", help="JSON field / parquet column holding the text")
+    p.add_argument("--txt-per-line", action=argparse.BooleanOptionalAction, default=False, help="one document per line of a .txt file (default: one per file)")
+    p.add_argument("--eos", action=argparse.BooleanOptionalAction, default=True, help="append the end-of-text token to every document")
+    p.add_argument("--bos", action=argparse.BooleanOptionalAction, default=False, help="prepend the begin-of-text token")
+    p.add_argument("--frame-mib", type=float, default=2.0, help="uncompressed MiB of tokens per zstd frame")
+    p.add_argument("--shard-mib", type=float, default=256.0, help="compressed MiB per shard file")
+    p.add_argument("--zstd-level", type=int, default=3, help="zstd compression level")
+    p.add_argument("--batch-docs", type=int, default=512, help="documents per encode_batch call")
+    p.add_argument("--workers", type=int, default=os.cpu_count(), help="tokenizer threads (output does not depend on it)")
+    p.add_argument("--overwrite", action=argparse.BooleanOptionalAction, default=False, help="replace an existing output directory (atomically)")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="show a progress bar")
+    return p
+
+
+def pack_main(argv: list[str]) -> int:
+    args = _pack_parser().parse_args(argv)
+    # Tokenizers' thread pool reads these once, at first use: set them before importing.
+    os.environ["RAYON_NUM_THREADS"] = str(max(1, args.workers))
+    os.environ["RAYON_RS_NUM_THREADS"] = str(max(1, args.workers))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+    from pytrain.inputs import InputError, ReadOptions
+    from pytrain.shards import DatasetExistsError, PackOptions, iter_documents, pack
+    from pytrain.tokenizer import TokenizerError
+
+    opts = PackOptions(
+        tokenizer=args.tokenizer,
+        dtype=args.dtype,
+        text_field=args.text_field,
+        txt_per_line=args.txt_per_line,
+        append_eos=args.eos,
+        prepend_bos=args.bos,
+        frame_mib=args.frame_mib,
+        shard_mib=args.shard_mib,
+        zstd_level=args.zstd_level,
+        batch_docs=args.batch_docs,
+    )
+    docs = iter_documents(args.inputs, ReadOptions(text_field=args.text_field, txt_per_line=args.txt_per_line))
+    bar = _progress_bar() if args.progress else None
+    try:
+        report = pack(docs, args.output, opts, overwrite=args.overwrite, progress=bar)
+    except DatasetExistsError as e:
+        print(f"pack-shards: {e}", file=sys.stderr)
+        return EXIT_EXISTS
+    except (InputError, TokenizerError, ValueError, OSError) as e:
+        print(f"pack-shards: error: {e}", file=sys.stderr)
+        print("pack-shards: nothing was written to the output directory", file=sys.stderr)
+        return EXIT_INPUT
+    finally:
+        if bar:
+            bar.close()
+    mb = report.input_bytes / 1e6
+    secs = max(report.seconds, 1e-9)
+    comp = sum(s["bytes"] for s in report.shards)
+    print(
+        f"packed {report.documents:,} documents ({report.skipped_empty:,} empty skipped), "
+        f"{report.tokens:,} tokens from {mb:,.1f} MB in {secs:.1f}s "
+        f"({mb / secs:,.1f} MB/s, {report.tokens / secs / 1e6:,.2f} M tokens/s) into {len(report.shards)} shard(s), "
+        f"{comp / 1e6:,.1f} MB on disk -> {args.output}"
+    )
+    return 0
+
+
+class _progress_bar:
+    """tqdm bar over input bytes showing documents, tokens and MB/s."""
+
+    def __init__(self):
+        from tqdm import tqdm
+
+        self.bar = tqdm(unit="B", unit_scale=True, desc="pack-shards", file=sys.stderr, mininterval=0.5)
+        self.seen = 0
+
+    def __call__(self, r) -> None:
+        self.bar.update(r.input_bytes - self.seen)
+        self.seen = r.input_bytes
+        self.bar.set_postfix(docs=f"{r.documents:,}", tokens=f"{r.tokens:,}", refresh=False)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def verify_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="pack-shards verify", description="check every checksum and count of a dataset")
+    p.add_argument("dataset", type=Path)
+    args = p.parse_args(argv)
+    from pytrain import _loader
+    from pytrain.shards import verify
+
+    try:
+        r = verify(args.dataset)
+    except (_loader.LoaderError, OSError) as e:
+        print(f"pack-shards verify: FAILED: {e}", file=sys.stderr)
+        return EXIT_CORRUPT
+    print(f"{args.dataset}: OK ({r['shards']} shards, {r['frames']} frames, {r['documents']:,} documents, {r['tokens']:,} tokens)")
+    return 0
+
+
+def inspect_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="pack-shards inspect", description="counts and document-length histogram")
+    p.add_argument("dataset", type=Path)
+    p.add_argument("--plot", type=Path, default=None, help="write the histogram as a PNG here")
+    args = p.parse_args(argv)
+    import numpy as np
+
+    from pytrain.shards import doc_lengths, read_manifest
+
+    m = read_manifest(args.dataset)
+    lens = doc_lengths(args.dataset)
+    t = m["totals"]
+    print(f"dataset     {args.dataset}")
+    print(f"tokenizer   {m['tokenizer']['name']} (vocab {m['tokenizer']['vocab_size']}, sha256 {m['tokenizer']['sha256'][:12]})")
+    print(f"dtype       {m['dtype']}")
+    print(f"shards      {len(m['shards'])}   frames {t['frames']}   bytes {t['bytes']:,}")
+    print(f"documents   {t['documents']:,} ({t['skipped_empty']:,} empty skipped)")
+    print(f"tokens      {t['tokens']:,}   compression {t['tokens'] * np.dtype(m['dtype']).itemsize / max(t['bytes'], 1):.2f}x")
+    print(f"doc length  min {lens.min()}  median {int(np.median(lens))}  mean {lens.mean():.1f}  p99 {int(np.percentile(lens, 99))}  max {lens.max()}")
+    edges = 2 ** np.arange(0, int(np.log2(max(lens.max(), 1))) + 2)
+    counts, _ = np.histogram(lens, bins=edges)
+    width = max(counts.max(), 1)
+    print("length histogram (tokens per document):")
+    for lo, hi, c in zip(edges[:-1], edges[1:], counts, strict=True):
+        print(f"  [{lo:>8}, {hi:>8})  {c:>10,}  {'#' * int(40 * c / width)}")
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.hist(lens, bins=edges, edgecolor="black")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("document length (tokens)")
+        ax.set_ylabel("documents")
+        ax.set_title(f"{args.dataset.name}: {t['documents']:,} documents, {t['tokens']:,} tokens")
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=100)
+        print(f"plot        {args.plot}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "verify":
+        return verify_main(argv[1:])
+    if argv and argv[0] == "inspect":
+        return inspect_main(argv[1:])
+    return pack_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,250 @@
+"""Packing documents into a token-shard dataset (see docs/FORMAT.md), and checking one.
+
+The Rust `ShardWriter` compresses and indexes; this module reads inputs, tokenizes in
+batches with `encode_batch` (parallel in Rust, GIL released), rotates shards, writes the
+manifest, and makes the whole dataset appear atomically."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from pytrain import _loader
+from pytrain.inputs import ReadOptions, expand, read_documents
+from pytrain.tokenizer import TokenizerError, TokenizerInfo, describe, load_tokenizer
+
+FORMAT = "pytrain-token-shards"
+MANIFEST = "manifest.json"
+
+
+class DatasetExistsError(FileExistsError):
+    """The output directory already exists and --overwrite was not given."""
+
+
+@dataclass
+class PackOptions:
+    """The arguments that decide the bytes of a dataset (recorded in the manifest)."""
+
+    tokenizer: str = "byte"
+    dtype: str = "auto"
+    text_field: str = "text"
+    txt_per_line: bool = False
+    append_eos: bool = True
+    prepend_bos: bool = False
+    frame_mib: float = 2.0
+    shard_mib: float = 256.0
+    zstd_level: int = 3
+    batch_docs: int = 512
+
+
+@dataclass
+class PackReport:
+    documents: int = 0
+    tokens: int = 0
+    skipped_empty: int = 0
+    input_bytes: int = 0
+    shards: list[dict] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def choose_dtype(info: TokenizerInfo, requested: str) -> str:
+    fits16 = info.vocab_size <= 1 << 16
+    if requested == "auto":
+        return "uint16" if fits16 else "uint32"
+    if requested == "uint16" and not fits16:
+        raise TokenizerError(
+            f"tokenizer {info.name} has {info.vocab_size} tokens, which does not fit uint16; use --dtype uint32"
+        )
+    if requested not in ("uint16", "uint32"):
+        raise ValueError(f"--dtype {requested!r} is not auto, uint16 or uint32")
+    return requested
+
+
+def iter_documents(inputs: list[str], opts: ReadOptions) -> Iterator[tuple[str, str]]:
+    for path in expand(inputs):
+        yield from read_documents(path, opts)
+
+
+def _batches(docs: Iterable[tuple[str, str]], n: int) -> Iterator[list[tuple[str, str]]]:
+    batch: list[tuple[str, str]] = []
+    for d in docs:
+        batch.append(d)
+        if len(batch) == n:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def pack(
+    docs: Iterable[tuple[str, str]],
+    out_dir: Path,
+    opts: PackOptions,
+    *,
+    overwrite: bool = False,
+    progress: Callable[[PackReport], None] | None = None,
+) -> PackReport:
+    """Tokenizes `docs` and writes a dataset at `out_dir`, atomically."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not overwrite:
+        raise DatasetExistsError(f"{out_dir} already exists; pass --overwrite to replace it")
+    tok, tok_name = load_tokenizer(opts.tokenizer)
+    info = describe(tok, tok_name)
+    dtype = choose_dtype(info, opts.dtype)
+    if opts.append_eos and info.eos_id is None:
+        raise TokenizerError(f"tokenizer {tok_name} has no end-of-text token; pass --no-eos")
+    if opts.prepend_bos and info.bos_id is None:
+        raise TokenizerError(f"tokenizer {tok_name} has no begin-of-text token; drop --bos")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        report = _write_shards(docs, tmp, tok, info, dtype, opts, progress)
+        tok.save(str(tmp / "tokenizer.json"))
+        _write_manifest(tmp, info, dtype, opts, report)
+        _replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return report
+
+
+def _write_shards(docs, tmp: Path, tok, info: TokenizerInfo, dtype: str, opts: PackOptions, progress):
+    report = PackReport()
+    t0 = time.perf_counter()
+    frame_bytes = int(opts.frame_mib * (1 << 20))
+    shard_bytes = int(opts.shard_mib * (1 << 20))
+    writer = None
+
+    def close_shard():
+        nonlocal writer
+        if writer is not None and writer.documents > 0:
+            summary = writer.finish()
+            summary["file"] = f"shard-{len(report.shards):05d}.tks"
+            report.shards.append(summary)
+        writer = None
+
+    for batch in _batches(docs, opts.batch_docs):
+        texts = [t for _, t in batch]
+        report.input_bytes += sum(len(t.encode("utf-8")) for t in texts)
+        ids, lengths, skipped = _encode(tok, texts, info, opts)
+        report.skipped_empty += skipped
+        if lengths.size:
+            if writer is None:
+                path = tmp / f"shard-{len(report.shards):05d}.tks"
+                writer = _loader.ShardWriter(str(path), dtype, frame_bytes, opts.zstd_level)
+            try:
+                writer.add_documents(ids.tobytes(), lengths.tobytes())
+            except ValueError as e:
+                raise ValueError(f"{batch[0][0]}..{batch[-1][0]}: {e}") from e
+            report.documents += int(lengths.size)
+            report.tokens += int(ids.size)
+            if writer.bytes_written >= shard_bytes:
+                close_shard()
+        if progress:
+            report.seconds = time.perf_counter() - t0
+            progress(report)
+    close_shard()
+    report.seconds = time.perf_counter() - t0
+    if not report.shards:
+        raise ValueError("no non-empty documents in the input")
+    return report
+
+
+def _encode(tok, texts: list[str], info: TokenizerInfo, opts: PackOptions):
+    """Token ids of a batch (uint32, documents back to back), their lengths, empties skipped."""
+    encodings = tok.encode_batch_fast(texts, add_special_tokens=False)
+    prefix = [info.bos_id] if opts.prepend_bos else []
+    suffix = [info.eos_id] if opts.append_eos else []
+    seqs = [prefix + e.ids + suffix for e, t in zip(encodings, texts, strict=True) if t]
+    skipped = len(texts) - len(seqs)
+    lengths = np.fromiter((len(s) for s in seqs), dtype=np.uint32, count=len(seqs))
+    ids = np.fromiter((i for s in seqs for i in s), dtype=np.uint32, count=int(lengths.sum()))
+    return ids, lengths, skipped
+
+
+def _write_manifest(tmp: Path, info: TokenizerInfo, dtype: str, opts: PackOptions, r: PackReport):
+    manifest = {
+        "format": FORMAT,
+        "format_version": _loader.FORMAT_VERSION,
+        "dtype": dtype,
+        "tokenizer": info.to_json(),
+        "totals": {
+            "documents": r.documents,
+            "tokens": r.tokens,
+            "frames": sum(s["frames"] for s in r.shards),
+            "bytes": sum(s["bytes"] for s in r.shards),
+            "skipped_empty": r.skipped_empty,
+            "input_bytes": r.input_bytes,
+        },
+        "shards": [{k: s[k] for k in ("file", "documents", "tokens", "frames", "bytes", "xxh3_64")} for s in r.shards],
+        "args": asdict(opts),
+        "created_by": "pytrain pack-shards",
+    }
+    path = tmp / MANIFEST
+    with open(path, "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """Moves the finished dataset into place; an old one is removed only afterwards."""
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        out.rename(old)
+    tmp.rename(out)
+    _fsync_dir(out.parent)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_manifest(path: Path) -> dict:
+    with open(Path(path) / MANIFEST) as f:
+        return json.load(f)
+
+
+def verify(path: Path) -> dict:
+    """Checks every checksum and that the manifest's totals match the shards."""
+    ds = _loader.Dataset(str(path))
+    ds.verify()
+    m = read_manifest(path)
+    t = m["totals"]
+    for key, got in (("documents", ds.n_docs), ("tokens", ds.n_tokens), ("frames", ds.n_frames)):
+        if t[key] != got:
+            raise _loader.ManifestError(f"manifest {path}/{MANIFEST}: totals.{key} is {t[key]}, shards hold {got}")
+    return {"documents": ds.n_docs, "tokens": ds.n_tokens, "frames": ds.n_frames, "shards": len(m["shards"])}
+
+
+def doc_lengths(path: Path) -> np.ndarray:
+    return np.frombuffer(_loader.Dataset(str(path)).doc_lengths(), dtype="<u4")
+
+
+def read_all_documents(path: Path) -> list[np.ndarray]:
+    """Every document of a dataset in file order (for tests and small tools)."""
+    ds = _loader.Dataset(str(path))
+    out = []
+    dtype = "<u2" if ds.dtype == "uint16" else "<u4"
+    for f in range(ds.n_frames):
+        raw, lens = ds.read_frame(f)
+        toks = np.frombuffer(raw, dtype=dtype)
+        out.extend(np.split(toks, np.cumsum(lens)[:-1]))
+    return out
