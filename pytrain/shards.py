@@ -83,6 +83,18 @@ def _batches(docs: Iterable[tuple[str, str]], n: int) -> Iterator[list[tuple[str
         yield batch
 
 
+@dataclass
+class TokenBatch:
+    """Documents of one batch as token ids, back to back (uint32), and their lengths."""
+
+    ids: np.ndarray
+    lengths: np.ndarray
+    skipped_empty: int = 0
+    input_bytes: int = 0
+    where: str = ""
+    """Where the batch came from ("file:line..file:line"), for error messages."""
+
+
 def pack(
     docs: Iterable[tuple[str, str]],
     out_dir: Path,
@@ -91,10 +103,7 @@ def pack(
     overwrite: bool = False,
     progress: Callable[[PackReport], None] | None = None,
 ) -> PackReport:
-    """Tokenizes `docs` and writes a dataset at `out_dir`, atomically."""
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not overwrite:
-        raise DatasetExistsError(f"{out_dir} already exists; pass --overwrite to replace it")
+    """Tokenizes `docs` ((location, text) pairs) and writes a dataset at `out_dir`, atomically."""
     tok, tok_name = load_tokenizer(opts.tokenizer)
     info = describe(tok, tok_name)
     dtype = choose_dtype(info, opts.dtype)
@@ -102,13 +111,34 @@ def pack(
         raise TokenizerError(f"tokenizer {tok_name} has no end-of-text token; pass --no-eos")
     if opts.prepend_bos and info.bos_id is None:
         raise TokenizerError(f"tokenizer {tok_name} has no begin-of-text token; drop --bos")
+    batches = (_encode(tok, b, info, opts) for b in _batches(docs, opts.batch_docs))
+    return write_dataset(batches, out_dir, info, dtype, opts, overwrite=overwrite, progress=progress, tokenizer=tok)
+
+
+def write_dataset(
+    batches: Iterable[TokenBatch],
+    out_dir: Path,
+    info: TokenizerInfo,
+    dtype: str,
+    opts: PackOptions,
+    *,
+    overwrite: bool = False,
+    progress: Callable[[PackReport], None] | None = None,
+    tokenizer=None,
+) -> PackReport:
+    """Writes already tokenized batches as a dataset: into a temporary sibling directory,
+    renamed into place only once shards, tokenizer and manifest are complete and synced."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not overwrite:
+        raise DatasetExistsError(f"{out_dir} already exists; pass --overwrite to replace it")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        report = _write_shards(docs, tmp, tok, info, dtype, opts, progress)
-        tok.save(str(tmp / "tokenizer.json"))
+        report = _write_shards(batches, tmp, dtype, opts, progress)
+        if tokenizer is not None:
+            tokenizer.save(str(tmp / "tokenizer.json"))
         _write_manifest(tmp, info, dtype, opts, report)
         _replace_dir(tmp, out_dir)
     except BaseException:
@@ -117,7 +147,7 @@ def pack(
     return report
 
 
-def _write_shards(docs, tmp: Path, tok, info: TokenizerInfo, dtype: str, opts: PackOptions, progress):
+def _write_shards(batches: Iterable[TokenBatch], tmp: Path, dtype: str, opts: PackOptions, progress):
     report = PackReport()
     t0 = time.perf_counter()
     frame_bytes = int(opts.frame_mib * (1 << 20))
@@ -132,21 +162,19 @@ def _write_shards(docs, tmp: Path, tok, info: TokenizerInfo, dtype: str, opts: P
             report.shards.append(summary)
         writer = None
 
-    for batch in _batches(docs, opts.batch_docs):
-        texts = [t for _, t in batch]
-        report.input_bytes += sum(len(t.encode("utf-8")) for t in texts)
-        ids, lengths, skipped = _encode(tok, texts, info, opts)
-        report.skipped_empty += skipped
-        if lengths.size:
+    for b in batches:
+        report.input_bytes += b.input_bytes
+        report.skipped_empty += b.skipped_empty
+        if b.lengths.size:
             if writer is None:
                 path = tmp / f"shard-{len(report.shards):05d}.tks"
                 writer = _loader.ShardWriter(str(path), dtype, frame_bytes, opts.zstd_level)
             try:
-                writer.add_documents(ids.tobytes(), lengths.tobytes())
+                writer.add_documents(b.ids.astype("<u4", copy=False).tobytes(), b.lengths.astype("<u4", copy=False).tobytes())
             except ValueError as e:
-                raise ValueError(f"{batch[0][0]}..{batch[-1][0]}: {e}") from e
-            report.documents += int(lengths.size)
-            report.tokens += int(ids.size)
+                raise ValueError(f"{b.where}: {e}") from e
+            report.documents += int(b.lengths.size)
+            report.tokens += int(b.ids.size)
             if writer.bytes_written >= shard_bytes:
                 close_shard()
         if progress:
@@ -159,16 +187,22 @@ def _write_shards(docs, tmp: Path, tok, info: TokenizerInfo, dtype: str, opts: P
     return report
 
 
-def _encode(tok, texts: list[str], info: TokenizerInfo, opts: PackOptions):
-    """Token ids of a batch (uint32, documents back to back), their lengths, empties skipped."""
+def _encode(tok, batch: list[tuple[str, str]], info: TokenizerInfo, opts: PackOptions) -> TokenBatch:
+    """Tokenizes a batch; empty documents are skipped and counted."""
+    texts = [t for _, t in batch if t]
     encodings = tok.encode_batch_fast(texts, add_special_tokens=False)
     prefix = [info.bos_id] if opts.prepend_bos else []
     suffix = [info.eos_id] if opts.append_eos else []
-    seqs = [prefix + e.ids + suffix for e, t in zip(encodings, texts, strict=True) if t]
-    skipped = len(texts) - len(seqs)
+    seqs = [np.asarray(prefix + e.ids + suffix, dtype=np.uint32) for e in encodings]
     lengths = np.fromiter((len(s) for s in seqs), dtype=np.uint32, count=len(seqs))
-    ids = np.fromiter((i for s in seqs for i in s), dtype=np.uint32, count=int(lengths.sum()))
-    return ids, lengths, skipped
+    ids = np.concatenate(seqs) if seqs else np.zeros(0, np.uint32)
+    return TokenBatch(
+        ids=ids,
+        lengths=lengths,
+        skipped_empty=len(batch) - len(texts),
+        input_bytes=sum(len(t.encode("utf-8")) for _, t in batch),
+        where=f"{batch[0][0]}..{batch[-1][0]}",
+    )
 
 
 def _write_manifest(tmp: Path, info: TokenizerInfo, dtype: str, opts: PackOptions, r: PackReport):

@@ -1,0 +1,61 @@
+# Everything the project needs, from a fresh clone: `make train`, `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export VIRTUAL_ENV := $(abspath $(VENV))
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+RUST_SRC := $(wildcard rust_loader/*.rs) Cargo.toml pyproject.toml
+
+.DEFAULT_GOAL := help
+.PHONY: help setup build train test test-rust test-python bench bench-python lint fmt wheel clean
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  make %-13s %s\n", $$1, $$2}'
+
+$(VENV)/.deps: pyproject.toml scripts/deps.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $$($(PYTHON) scripts/deps.py runtime dev)
+	touch $@
+
+$(VENV)/.ext: $(VENV)/.deps $(RUST_SRC)
+	$(VENV)/bin/maturin develop --release -q
+	touch $@
+
+setup: $(VENV)/.ext ## create .venv, install Python deps (torch included), build the extension
+
+build: setup ## (re)build the Rust extension into .venv
+
+train: setup ## train the embedded default (CPU or GPU, offline, a few minutes)
+	$(PY) -m pytrain.train
+
+test: setup test-rust test-python ## every test: cargo tests + pytest (slow ones included)
+
+test-rust:
+	cargo test --release -q
+
+test-python: setup
+	$(PY) -m pytest -q tests
+
+bench: setup ## criterion benches + pack-shards and loader benchmarks (print figures)
+	cargo bench --bench loader
+	$(PY) scripts/bench_pack.py
+	$(PY) scripts/bench_loader.py
+
+lint: setup ## cargo fmt --check, clippy -D warnings, ruff
+	cargo fmt --check
+	cargo clippy --all-targets --features python -- -D warnings
+	$(VENV)/bin/ruff check pytrain tests scripts
+	$(VENV)/bin/ruff format --check pytrain tests scripts
+
+fmt: setup ## format Rust and Python
+	cargo fmt
+	$(VENV)/bin/ruff format pytrain tests scripts
+
+wheel: ## abi3 wheel into dist/ (one wheel for CPython 3.10+)
+	$(VENV)/bin/maturin build --release -o dist
+
+clean: ## remove build outputs (keeps .venv)
+	cargo clean
+	rm -rf dist $(VENV)/.ext

@@ -1,0 +1,60 @@
+"""Shared fixtures: real text from Python's standard library, and synthetic datasets
+whose token ids say which document and position they came from."""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pytrain.shards import PackOptions, TokenBatch, write_dataset
+from pytrain.tokenizer import TokenizerInfo, train_bpe
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_texts(max_bytes: int) -> list[str]:
+    """Sources of the standard library in sorted order, up to `max_bytes` of text."""
+    out, total = [], 0
+    for p in sorted(STDLIB.glob("*.py")):
+        text = p.read_text(encoding="utf-8", errors="replace")
+        out.append(text)
+        total += len(text)
+        if total >= max_bytes:
+            break
+    return out
+
+
+@pytest.fixture(scope="session")
+def bpe_tokenizer_file(tmp_path_factory) -> Path:
+    tok = train_bpe(stdlib_texts(400_000), vocab_size=1000)
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def traceable_docs(lengths) -> list[np.ndarray]:
+    """Document i holds tokens i * 10_000 + k for k in 0..len: every token is unique."""
+    return [np.arange(len_, dtype=np.uint32) + i * 10_000 for i, len_ in enumerate(lengths)]
+
+
+def write_synthetic(out: Path, docs: list[np.ndarray], frame_bytes: int = 4096, dtype: str = "uint32") -> Path:
+    """Writes `docs` as a dataset (no tokenizer involved), several frames per shard."""
+    info = TokenizerInfo(name="synthetic", sha256="0" * 64, vocab_size=1 << 31, eos_id=None, bos_id=None)
+    opts = PackOptions(tokenizer="synthetic", dtype=dtype, frame_mib=frame_bytes / (1 << 20), shard_mib=frame_bytes * 6 / (1 << 20))
+    batches = (
+        TokenBatch(ids=np.concatenate(docs[i : i + 50]), lengths=np.array([len(d) for d in docs[i : i + 50]], np.uint32))
+        for i in range(0, len(docs), 50)
+    )
+    write_dataset(batches, out, info, dtype, opts)
+    return out
+
+
+@pytest.fixture
+def synthetic_dataset(tmp_path) -> tuple[Path, list[np.ndarray]]:
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(4.0, 1.0, size=600).astype(int), 1, 2000)
+    docs = traceable_docs(lengths)
+    return write_synthetic(tmp_path / "ds", docs), docs
