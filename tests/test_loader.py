@@ -1,0 +1,212 @@
+"""TokenLoader through the extension: exactly-once delivery, determinism across thread
+counts, exact resume, disjoint ranks, bucket shapes, zero copy, typed errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from pytrain.data import CorruptShardError, StateError, TokenLoader
+
+
+def delivered_tokens(batch) -> np.ndarray:
+    t = batch.tokens.numpy()
+    return t[batch.doc_ids.numpy() >= 0]
+
+
+def take(loader, n=None) -> list[dict]:
+    """Copies of up to n batches (all, if None), releasing each slot."""
+    out = []
+    for b in loader:
+        out.append({k: getattr(b, k).clone() for k in ("tokens", "position_ids", "doc_ids", "loss_mask")} | {"epoch": b.epoch})
+        b.release()
+        if n is not None and len(out) == n:
+            break
+    return out
+
+
+def same(a: list[dict], b: list[dict]) -> bool:
+    return len(a) == len(b) and all(
+        all(torch.equal(x[k], y[k]) for k in ("tokens", "position_ids", "doc_ids", "loss_mask")) for x, y in zip(a, b, strict=True)
+    )
+
+
+def all_tokens(docs) -> np.ndarray:
+    return np.sort(np.concatenate(docs).astype(np.int64))
+
+
+@pytest.mark.parametrize("strategy", ["best_fit", "concat"])
+@pytest.mark.parametrize("epochs", [1, 3])
+def test_pack_delivers_every_token_once_per_epoch(synthetic_dataset, strategy, epochs):
+    # Batches stream across epoch boundaries (no padding there), so check the multiset.
+    path, docs = synthetic_dataset
+    loader = TokenLoader(path, seq_len=127, batch_size=4, num_epochs=epochs, strategy=strategy, frames_per_block=3)
+    got, rows = [], 0
+    for b in loader:
+        assert b.tokens.shape == (4, 128)
+        rows += 4
+        got.append(delivered_tokens(b).astype(np.int64))
+        b.release()
+    assert np.array_equal(np.sort(np.concatenate(got)), np.sort(np.tile(all_tokens(docs), epochs)))
+    s = loader.stats()
+    assert s["doc_tokens"] == epochs * sum(len(d) for d in docs)
+    assert s["doc_tokens"] + s["pad_tokens"] == rows * 128
+    if strategy == "best_fit":
+        assert s["documents_cut"] == epochs * sum(len(d) > 128 for d in docs)
+    assert loader.epoch == epochs
+
+
+def test_row_metadata_matches_documents(synthetic_dataset):
+    path, _ = synthetic_dataset
+    b = next(iter(TokenLoader(path, seq_len=255, batch_size=2)))
+    t, pos, doc, mask = (x.numpy() for x in (b.tokens, b.position_ids, b.doc_ids, b.loss_mask))
+    for r in range(2):
+        for seg in range(doc[r].max() + 1):
+            idx = np.nonzero(doc[r] == seg)[0]
+            assert np.array_equal(idx, np.arange(idx[0], idx[-1] + 1))  # contiguous
+            assert np.array_equal(pos[r, idx], np.arange(len(idx)))
+            assert np.all(np.diff(t[r, idx]) == 1)  # consecutive tokens of one document
+            assert mask[r, idx[:-1]].all() and mask[r, idx[-1]] == 0
+        assert mask[r][doc[r] < 0].sum() == 0
+
+
+def test_same_batches_for_any_thread_count(synthetic_dataset):
+    path, _ = synthetic_dataset
+    runs = [take(TokenLoader(path, seq_len=63, batch_size=3, num_epochs=2, threads=t, frames_per_block=2, slots=s)) for t, s in ((1, 1), (2, 3), (8, 5))]
+    assert len(runs[0]) > 20
+    assert same(runs[0], runs[1]) and same(runs[0], runs[2])
+
+
+def test_seed_and_epoch_change_the_order(synthetic_dataset):
+    path, _ = synthetic_dataset
+    a = take(TokenLoader(path, seq_len=63, batch_size=3, seed=1), 5)
+    b = take(TokenLoader(path, seq_len=63, batch_size=3, seed=2), 5)
+    assert not same(a, b)
+
+
+@pytest.mark.parametrize("mode", ["pack", "bucket"])
+def test_resume_at_any_batch_gives_the_same_continuation(synthetic_dataset, mode):
+    path, _ = synthetic_dataset
+    kw = dict(seq_len=63, batch_size=3, mode=mode, bucket_lengths=(16, 64, 256), token_budget=512, num_epochs=2, frames_per_block=2)
+    full = take(TokenLoader(path, **kw))
+    for k in (0, 1, 7, len(full) // 2, len(full) - 1):
+        first = TokenLoader(path, **kw)
+        take(first, k) if k else None
+        state = json.loads(json.dumps(first.state_dict()))  # survives a JSON round trip
+        resumed = TokenLoader(path, **kw)
+        resumed.load_state_dict(state)
+        assert same(take(resumed), full[k:]), k
+
+
+def test_ranks_are_disjoint_and_complete(synthetic_dataset):
+    path, docs = synthetic_dataset
+    for world in (2, 3, 4):
+        seen = []
+        for rank in range(world):
+            for b in TokenLoader(path, seq_len=127, batch_size=2, num_epochs=1, rank=rank, world_size=world, frames_per_block=1):
+                seen.append(delivered_tokens(b).astype(np.int64))
+                b.release()
+        assert np.array_equal(np.sort(np.concatenate(seen)), all_tokens(docs)), world
+
+
+def test_world_size_change_is_refused_mid_epoch_and_allowed_at_epoch_start(synthetic_dataset):
+    path, _ = synthetic_dataset
+    kw = dict(seq_len=63, batch_size=2, frames_per_block=1)
+    a = TokenLoader(path, rank=0, world_size=2, **kw)
+    start = a.state_dict()
+    take(a, 3)
+    mid = a.state_dict()
+    b = TokenLoader(path, rank=0, world_size=4, **kw)
+    with pytest.raises(StateError, match="epoch boundary"):
+        b.load_state_dict(mid)
+    b.load_state_dict(start)  # epoch boundaries do not depend on the world size
+    assert len(take(b, 2)) == 2
+
+
+def test_bucket_mode_uses_few_shapes_and_delivers_everything(synthetic_dataset):
+    path, docs = synthetic_dataset
+    lengths = (32, 128, 512)
+    loader = TokenLoader(path, mode="bucket", bucket_lengths=lengths, token_budget=1024, num_epochs=1)
+    shapes, got = set(), []
+    for b in loader:
+        shapes.add(tuple(b.tokens.shape))
+        got.append(delivered_tokens(b).astype(np.int64))
+        b.release()
+    assert shapes <= {(1024 // n, n + 1) for n in lengths}
+    assert np.array_equal(np.sort(np.concatenate(got)), all_tokens(docs))
+    # Padding is what rounding each piece up to its bucket costs, plus, per block, the
+    # leftovers of each bucket (fewer than a batch) moved up and the last batch padded.
+    pieces = [len(d[i : i + 513]) for d in docs for i in range(0, len(d), 513)]
+    inherent = sum(min(n for n in lengths if n + 1 >= p) + 1 - p for p in pieces)
+    leftovers = loader._inner.blocks_per_epoch * sum(1024 // n for n in lengths) * 513
+    s = loader.stats()
+    assert inherent <= s["pad_tokens"] <= inherent + leftovers
+
+
+def test_batches_are_views_of_the_slots(synthetic_dataset):
+    path, _ = synthetic_dataset
+    loader = TokenLoader(path, seq_len=63, batch_size=2, slots=2)
+    b = next(loader)
+    slot_ptrs = {s[0].data_ptr() for s in loader._slots}
+    assert b.tokens.data_ptr() in slot_ptrs
+    assert b.tokens.untyped_storage().data_ptr() == b.tokens.data_ptr()
+
+
+def test_holding_every_slot_raises_instead_of_hanging_or_overwriting(synthetic_dataset):
+    path, _ = synthetic_dataset
+    loader = TokenLoader(path, seq_len=63, batch_size=2, slots=2)
+    a, b = next(loader), next(loader)
+    snapshot = a.tokens.clone()
+    with pytest.raises(ValueError, match="all 2 slots are held"):
+        next(loader)
+    assert torch.equal(a.tokens, snapshot)
+    a.release()
+    c = next(loader)
+    assert c.tokens.shape == b.tokens.shape
+
+
+def test_device_copy_releases_the_slot(synthetic_dataset):
+    path, _ = synthetic_dataset
+    loader = TokenLoader(path, seq_len=63, batch_size=2, slots=1)
+    for _ in range(5):  # one slot: works only if every copy releases it
+        d = next(loader).to("cpu")
+        assert d.input_ids.shape == (2, 63) and d.targets.dtype == torch.int64
+        assert d.loss_mask.dtype == torch.bool
+
+
+def test_corrupt_frame_names_shard_and_frame(synthetic_dataset):
+    path, _ = synthetic_dataset
+    shard = path / "shard-00000.tks"
+    data = bytearray(shard.read_bytes())
+    data[10] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    loader = TokenLoader(path, seq_len=63, batch_size=2, shuffle=False, frames_per_block=1)
+    with pytest.raises(CorruptShardError, match=r"shard-00000\.tks frame 0: frame checksum mismatch"):
+        take(loader)
+
+
+def test_changed_dataset_is_refused(synthetic_dataset, tmp_path):
+    from conftest import traceable_docs, write_synthetic
+
+    path, _ = synthetic_dataset
+    loader = TokenLoader(path, seq_len=63, batch_size=2)
+    take(loader, 2)
+    state = loader.state_dict()
+    other = write_synthetic(tmp_path / "other", traceable_docs([50] * 300))
+    with pytest.raises(StateError, match="changed since the state was saved"):
+        TokenLoader(other, seq_len=63, batch_size=2).load_state_dict(state)
+    with pytest.raises(StateError, match="settings"):
+        TokenLoader(path, seq_len=31, batch_size=2).load_state_dict(state)
+
+
+def test_bad_arguments_are_value_errors(synthetic_dataset):
+    path, _ = synthetic_dataset
+    with pytest.raises(ValueError, match="rank 2 is not in"):
+        TokenLoader(path, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="strictly ascending"):
+        TokenLoader(path, mode="bucket", bucket_lengths=(64, 64))
+    with pytest.raises(FileNotFoundError, match="manifest.json"):
+        TokenLoader(path / "nope")
