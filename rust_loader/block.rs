@@ -8,7 +8,7 @@ use crate::dataset::Dataset;
 use crate::error::Result;
 use crate::order::RankOrder;
 use crate::pack::{bucket_batches, pack_rows, BucketSpec, PackStats, PackStrategy};
-use crate::rows::{BlockDocs, DocSpan, Rows};
+use crate::rows::{BlockDocs, BufferPool, DocSpan, Rows};
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Mode {
@@ -25,6 +25,14 @@ pub enum BlockOutput {
 }
 
 impl BlockOutput {
+    /// Hands the buffers back for the next block.
+    pub fn recycle(self, pool: &BufferPool) {
+        match self {
+            BlockOutput::Rows(r) => pool.give_rows(r),
+            BlockOutput::Batches(b) => b.into_iter().for_each(|r| pool.give_rows(r)),
+        }
+    }
+
     /// Items are rows in pack mode and batches in bucket mode; the loader's position
     /// inside a block counts items.
     pub fn n_items(&self) -> usize {
@@ -58,12 +66,12 @@ impl Default for Decoder {
 }
 
 /// Decodes the frames of a block and lists their documents, in frame order.
-pub fn read_block(ds: &Dataset, frames: &[u64], dec: &mut Decoder) -> Result<BlockDocs> {
+pub fn read_block(ds: &Dataset, frames: &[u64], dec: &mut Decoder, pool: &BufferPool) -> Result<BlockDocs> {
     let mut out = BlockDocs { dtype: ds.dtype, frames: Vec::with_capacity(frames.len()), docs: Vec::new() };
     for (k, &g) in frames.iter().enumerate() {
         let fr = ds.frames[g as usize];
         let shard = &ds.shards[fr.shard as usize];
-        let mut buf = Vec::new();
+        let mut buf = pool.take_frame();
         shard.decode_frame(fr.frame as usize, &mut dec.zstd, &mut buf)?;
         let entry = shard.frames()[fr.frame as usize];
         let mut start = 0u32;
@@ -77,9 +85,16 @@ pub fn read_block(ds: &Dataset, frames: &[u64], dec: &mut Decoder) -> Result<Blo
     Ok(out)
 }
 
-pub fn make_block(ds: &Dataset, order: &RankOrder, mode: &Mode, epoch: u64, block: u64, dec: &mut Decoder) -> Result<Block> {
+pub fn make_block(
+    ds: &Dataset,
+    order: &RankOrder,
+    mode: &Mode,
+    (epoch, block): (u64, u64),
+    dec: &mut Decoder,
+    pool: &BufferPool,
+) -> Result<Block> {
     let frames = order.block_frames(epoch, block);
-    let mut docs = read_block(ds, &frames, dec)?;
+    let mut docs = read_block(ds, &frames, dec, pool)?;
     let mut rng = ChaCha8Rng::seed_from_u64(order.block_seed(epoch, block));
     if order.shuffle {
         docs.docs.shuffle(&mut rng);
@@ -87,13 +102,14 @@ pub fn make_block(ds: &Dataset, order: &RankOrder, mode: &Mode, epoch: u64, bloc
     let rng = order.shuffle.then_some(&mut rng);
     let (output, stats) = match mode {
         Mode::Pack { seq_len, strategy, .. } => {
-            let (rows, stats) = pack_rows(&docs, seq_len + 1, *strategy, rng);
+            let (rows, stats) = pack_rows(&docs, seq_len + 1, *strategy, rng, pool);
             (BlockOutput::Rows(rows), stats)
         }
         Mode::Bucket(spec) => {
-            let (batches, stats) = bucket_batches(&docs, spec, rng);
+            let (batches, stats) = bucket_batches(&docs, spec, rng, pool);
             (BlockOutput::Batches(batches), stats)
         }
     };
+    pool.give_frames(docs.frames);
     Ok(Block { output, stats })
 }

@@ -12,6 +12,7 @@ pub mod pack;
 pub mod rows;
 pub mod shard_reader;
 pub mod shard_writer;
+pub mod synthetic;
 
 #[cfg(feature = "python")]
 mod python;

@@ -19,7 +19,7 @@ use crate::dataset::Dataset;
 use crate::error::{Error, Result};
 use crate::order::{seed_of, RankOrder};
 use crate::pack::PackStrategy;
-use crate::rows::{RowSlicesMut, Rows, PAD_TOKEN};
+use crate::rows::{BufferPool, RowSlicesMut, Rows, PAD_TOKEN};
 
 #[derive(Clone, Debug)]
 pub struct LoaderConfig {
@@ -233,6 +233,7 @@ struct Shared {
     stop: AtomicBool,
     documents_packed: AtomicU64,
     documents_cut: AtomicU64,
+    pool: BufferPool,
 }
 
 impl Shared {
@@ -299,6 +300,7 @@ impl Loader {
             stop: AtomicBool::new(false),
             documents_packed: AtomicU64::new(0),
             documents_cut: AtomicU64::new(0),
+            pool: BufferPool::default(),
             config,
         });
         let slots = Arc::new(slots);
@@ -483,7 +485,7 @@ fn worker(sh: &Shared) {
         // A panic here would leave the assembler waiting for this block forever: turn it
         // into an error that reaches the consumer instead.
         let block = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            make_block(&sh.ds, &sh.order, &sh.config.mode, pos.epoch, pos.block, &mut dec)
+            make_block(&sh.ds, &sh.order, &sh.config.mode, (pos.epoch, pos.block), &mut dec, &sh.pool)
         }))
         .unwrap_or_else(|p| Err(Error::Internal(crate::error::panic_message(p))));
         let failed = block.is_err();
@@ -568,6 +570,7 @@ fn assembler(sh: &Shared, slots: &[SlotBuffers], free_rx: &Receiver<usize>, read
                 }
             }
         }
+        block.output.recycle(&sh.pool);
         seq += 1;
     }
 }

@@ -5,7 +5,7 @@ use std::collections::BTreeSet;
 use rand::seq::SliceRandom;
 use rand_chacha::ChaCha8Rng;
 
-use crate::rows::{BlockDocs, Piece, Rows};
+use crate::rows::{BlockDocs, BufferPool, Piece, Rows};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PackStrategy {
@@ -24,7 +24,13 @@ pub struct PackStats {
 }
 
 /// Packs all documents of a block into rows of `width` tokens, then shuffles the rows.
-pub fn pack_rows(src: &BlockDocs, width: usize, strategy: PackStrategy, rng: Option<&mut ChaCha8Rng>) -> (Rows, PackStats) {
+pub fn pack_rows(
+    src: &BlockDocs,
+    width: usize,
+    strategy: PackStrategy,
+    rng: Option<&mut ChaCha8Rng>,
+    pool: &BufferPool,
+) -> (Rows, PackStats) {
     let mut rows = match strategy {
         PackStrategy::BestFit => {
             let (pieces, _) = src.pieces(width);
@@ -35,7 +41,7 @@ pub fn pack_rows(src: &BlockDocs, width: usize, strategy: PackStrategy, rng: Opt
     if let Some(rng) = rng {
         rows.shuffle(rng);
     }
-    let mut out = Rows::with_capacity(width, rows.len());
+    let mut out = pool.take_rows(width, rows.len());
     for row in &rows {
         out.push_row(row, src);
     }
@@ -122,7 +128,12 @@ impl BucketSpec {
 /// Groups the pieces of a block into batches of one bucket each, shuffled. Leftover pieces
 /// of a bucket (fewer than a batch) move up to the next bucket; leftovers of the largest
 /// bucket form one batch padded with empty rows. So each block pads at most one batch.
-pub fn bucket_batches(src: &BlockDocs, spec: &BucketSpec, rng: Option<&mut ChaCha8Rng>) -> (Vec<Rows>, PackStats) {
+pub fn bucket_batches(
+    src: &BlockDocs,
+    spec: &BucketSpec,
+    rng: Option<&mut ChaCha8Rng>,
+    pool: &BufferPool,
+) -> (Vec<Rows>, PackStats) {
     let max_width = spec.lengths.last().unwrap() + 1;
     let (pieces, cut) = src.pieces(max_width);
     let mut by_bucket: Vec<Vec<Piece>> = vec![Vec::new(); spec.lengths.len()];
@@ -139,12 +150,12 @@ pub fn bucket_batches(src: &BlockDocs, spec: &BucketSpec, rng: Option<&mut ChaCh
         let full = pieces.len() / per * per;
         carry = pieces.split_off(full);
         for chunk in pieces.chunks(per) {
-            batches.push(fill_batch(src, chunk, len + 1, per));
+            batches.push(fill_batch(src, chunk, len + 1, per, pool));
         }
     }
     if !carry.is_empty() {
         let len = *spec.lengths.last().unwrap();
-        batches.push(fill_batch(src, &carry, len + 1, spec.rows_per_batch(len)));
+        batches.push(fill_batch(src, &carry, len + 1, spec.rows_per_batch(len), pool));
     }
     if let Some(rng) = rng {
         batches.shuffle(rng);
@@ -152,8 +163,8 @@ pub fn bucket_batches(src: &BlockDocs, spec: &BucketSpec, rng: Option<&mut ChaCh
     (batches, PackStats { documents: src.docs.len() as u64, cut_documents: cut })
 }
 
-fn fill_batch(src: &BlockDocs, pieces: &[Piece], width: usize, rows: usize) -> Rows {
-    let mut out = Rows::with_capacity(width, rows);
+fn fill_batch(src: &BlockDocs, pieces: &[Piece], width: usize, rows: usize, pool: &BufferPool) -> Rows {
+    let mut out = pool.take_rows(width, rows);
     for p in pieces {
         out.push_row(std::slice::from_ref(p), src);
     }
@@ -209,7 +220,7 @@ mod tests {
         ) {
             let src = traceable_docs(&lens);
             let mut rng = ChaCha8Rng::seed_from_u64(seed);
-            let (rows, stats) = pack_rows(&src, width, PackStrategy::BestFit, Some(&mut rng));
+            let (rows, stats) = pack_rows(&src, width, PackStrategy::BestFit, Some(&mut rng), &BufferPool::default());
             prop_assert_eq!(rows.tokens.len(), rows.n_rows * width);
             prop_assert_eq!(delivered(&rows), all_tokens(&src));
             let long = lens.iter().filter(|&&l| l as usize > width).count() as u64;
@@ -220,7 +231,7 @@ mod tests {
         #[test]
         fn concat_delivers_every_token_once(lens in proptest::collection::vec(1u32..300, 1..100), width in 8usize..128) {
             let src = traceable_docs(&lens);
-            let (rows, _) = pack_rows(&src, width, PackStrategy::Concat, Some(&mut ChaCha8Rng::seed_from_u64(1)));
+            let (rows, _) = pack_rows(&src, width, PackStrategy::Concat, Some(&mut ChaCha8Rng::seed_from_u64(1)), &BufferPool::default());
             prop_assert_eq!(delivered(&rows), all_tokens(&src));
             // Only the last row may hold padding.
             let total: u64 = lens.iter().map(|&l| l as u64).sum();
@@ -234,7 +245,7 @@ mod tests {
         ) {
             let spec = BucketSpec { lengths: vec![32, 64, 128, 256], token_budget: 1024 };
             let src = traceable_docs(&lens);
-            let (batches, _) = bucket_batches(&src, &spec, Some(&mut ChaCha8Rng::seed_from_u64(seed)));
+            let (batches, _) = bucket_batches(&src, &spec, Some(&mut ChaCha8Rng::seed_from_u64(seed)), &BufferPool::default());
             let mut got = Vec::new();
             let mut padded_batches = 0;
             for b in &batches {

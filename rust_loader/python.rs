@@ -174,7 +174,7 @@ impl PyDataset {
     /// dtype) and the lengths of its documents.
     fn read_frame<'py>(&self, py: Python<'py>, frame: usize) -> PyResult<(Bound<'py, PyBytes>, Vec<u32>)> {
         let ds = self.inner.clone();
-        let docs = run(py, move || crate::block::read_block(&ds, &[frame as u64], &mut crate::block::Decoder::new()))?;
+        let docs = run(py, move || crate::block::read_block(&ds, &[frame as u64], &mut crate::block::Decoder::new(), &Default::default()))?;
         let lens = docs.docs.iter().map(|d| d.len).collect();
         Ok((PyBytes::new(py, &docs.frames[0]), lens))
     }

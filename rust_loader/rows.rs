@@ -1,5 +1,7 @@
 //! Rows of tokens with the metadata document-masked attention needs, and the documents
 //! of one block that rows are cut from.
+use std::sync::Mutex;
+
 use crate::format::TokenDtype;
 
 /// Decoded frames of one block and the documents inside them.
@@ -81,7 +83,62 @@ pub struct Rows {
 
 pub const PAD_TOKEN: i32 = 0;
 
+/// Buffers handed back for reuse. Blocks are megabytes; allocating them fresh costs a
+/// page fault per 4 KiB (it was over half the packing time), so they are recycled.
+#[derive(Default)]
+pub struct BufferPool {
+    rows: Mutex<Vec<Rows>>,
+    frames: Mutex<Vec<Vec<u8>>>,
+}
+
+/// Buffers kept per kind; more are dropped.
+const POOL_LIMIT: usize = 64;
+
+impl BufferPool {
+    pub fn take_rows(&self, width: usize, rows: usize) -> Rows {
+        match self.rows.lock().unwrap().pop() {
+            Some(mut r) => {
+                r.reset(width);
+                r
+            }
+            None => Rows::with_capacity(width, rows),
+        }
+    }
+
+    pub fn give_rows(&self, rows: Rows) {
+        let mut pool = self.rows.lock().unwrap();
+        if pool.len() < POOL_LIMIT {
+            pool.push(rows);
+        }
+    }
+
+    pub fn take_frame(&self) -> Vec<u8> {
+        self.frames.lock().unwrap().pop().unwrap_or_default()
+    }
+
+    pub fn give_frames(&self, frames: Vec<Vec<u8>>) {
+        let mut pool = self.frames.lock().unwrap();
+        for f in frames {
+            if pool.len() < POOL_LIMIT {
+                pool.push(f);
+            }
+        }
+    }
+}
+
 impl Rows {
+    /// Empties the rows (keeping their memory) for rows of `width` tokens.
+    pub fn reset(&mut self, width: usize) {
+        self.width = width;
+        self.n_rows = 0;
+        self.tokens.clear();
+        self.position_ids.clear();
+        self.doc_ids.clear();
+        self.loss_mask.clear();
+        self.pad_tokens = 0;
+        self.doc_tokens = 0;
+    }
+
     pub fn with_capacity(width: usize, rows: usize) -> Self {
         let n = width * rows;
         Rows {

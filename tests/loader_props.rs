@@ -1,0 +1,128 @@
+//! Properties of the whole loader (dataset on disk -> threads -> slots), checked over
+//! random configurations: exactly-once delivery, row width, disjoint and complete ranks,
+//! thread-count independence, and exact resume.
+use std::path::Path;
+use std::sync::Arc;
+
+use proptest::prelude::*;
+use rust_loader::block::Mode;
+use rust_loader::dataset::Dataset;
+use rust_loader::loader::{resume_position, Loader, LoaderConfig, Position, SlotBuffers};
+use rust_loader::pack::{BucketSpec, PackStrategy};
+use rust_loader::synthetic::{write_synthetic, SyntheticSpec};
+
+fn dataset(dir: &Path, docs: u64, seed: u64) -> (Arc<Dataset>, Vec<i32>) {
+    let spec = SyntheticSpec {
+        documents: docs,
+        mu: 4.0,
+        sigma: 1.2,
+        max_len: 3000,
+        traceable: true,
+        frame_bytes: 8192,
+        docs_per_shard: 70,
+        seed,
+        ..Default::default()
+    };
+    write_synthetic(dir, &spec).unwrap();
+    let ds = Dataset::open(dir).unwrap();
+    let mut all = Vec::new();
+    // Every token of the dataset, from the frames themselves.
+    for g in 0..ds.n_frames() as u64 {
+        let docs = rust_loader::block::read_block(&ds, &[g], &mut rust_loader::block::Decoder::new(), &Default::default()).unwrap();
+        let mut buf = vec![0i32; docs.frames[0].len() / 4];
+        docs.dtype.widen_into(&docs.frames[0], &mut buf);
+        all.extend(buf);
+    }
+    all.sort_unstable();
+    (Arc::new(ds), all)
+}
+
+fn config(mode: Mode, threads: usize, rank: u64, world: u64, epochs: u64) -> LoaderConfig {
+    LoaderConfig {
+        mode,
+        seed: 11,
+        shuffle: true,
+        rank,
+        world_size: world,
+        frames_per_block: 2,
+        num_epochs: Some(epochs),
+        threads,
+        prefetch_blocks: 3,
+    }
+}
+
+/// Runs a loader to its end (or `limit` batches): per batch, the delivered tokens and the
+/// full slot contents, plus the state after each batch.
+fn run(ds: &Arc<Dataset>, cfg: &LoaderConfig, start: Position, limit: usize) -> Vec<(Vec<i32>, Vec<i32>, Position)> {
+    let slots = (0..3).map(|_| SlotBuffers::owned(cfg.slot_elems())).collect();
+    let loader = Loader::new(ds.clone(), cfg.clone(), slots, start).unwrap();
+    let mut out = Vec::new();
+    while out.len() < limit {
+        let Some(b) = loader.next().unwrap() else { break };
+        let v = loader.view(&b);
+        let real: Vec<i32> = v.tokens.iter().zip(v.doc_ids).filter(|(_, &d)| d >= 0).map(|(&t, _)| t).collect();
+        let mut whole = v.tokens.to_vec();
+        whole.extend(v.position_ids);
+        whole.extend(v.doc_ids);
+        whole.extend(v.loss_mask.iter().map(|&m| m as i32));
+        // Row width never exceeds what the mode promises.
+        match &cfg.mode {
+            Mode::Pack { seq_len, .. } => assert_eq!(b.width, seq_len + 1),
+            Mode::Bucket(spec) => assert!(spec.lengths.contains(&(b.width - 1))),
+        }
+        out.push((real, whole, loader.state().position));
+        loader.release(b.slot).unwrap();
+    }
+    out
+}
+
+fn modes() -> impl Strategy<Value = Mode> {
+    prop_oneof![
+        (8usize..300, 1usize..5, any::<bool>()).prop_map(|(s, b, c)| Mode::Pack {
+            seq_len: s,
+            batch_size: b,
+            strategy: if c { PackStrategy::Concat } else { PackStrategy::BestFit }
+        }),
+        (16usize..64, 256usize..2048).prop_map(|(l, t)| Mode::Bucket(BucketSpec { lengths: vec![l, 4 * l, 16 * l], token_budget: t })),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 12, ..ProptestConfig::default() })]
+
+    #[test]
+    fn every_token_once_per_epoch_and_ranks_disjoint(mode in modes(), world in 1u64..5, seed in 0u64..1000) {
+        let dir = tempfile::tempdir().unwrap();
+        let (ds, all) = dataset(dir.path(), 150, seed);
+        let mut got = Vec::new();
+        for rank in 0..world {
+            for (real, _, _) in run(&ds, &config(mode.clone(), 2, rank, world, 1), Position::default(), usize::MAX) {
+                got.extend(real);
+            }
+        }
+        got.sort_unstable();
+        prop_assert_eq!(got, all);
+    }
+
+    #[test]
+    fn same_batches_for_1_2_and_8_threads_and_exact_resume(mode in modes(), cut in 0usize..40, seed in 0u64..1000) {
+        let dir = tempfile::tempdir().unwrap();
+        let (ds, _) = dataset(dir.path(), 120, seed);
+        let full = run(&ds, &config(mode.clone(), 1, 0, 1, 2), Position::default(), usize::MAX);
+        for threads in [2, 8] {
+            let other = run(&ds, &config(mode.clone(), threads, 0, 1, 2), Position::default(), usize::MAX);
+            prop_assert!(other.iter().map(|x| &x.1).eq(full.iter().map(|x| &x.1)));
+        }
+        let cut = cut.min(full.len() - 1);
+        let state_pos = if cut == 0 { Position::default() } else { full[cut - 1].2 };
+        let cfg = config(mode.clone(), 3, 0, 1, 2);
+        let slots: Vec<SlotBuffers> = (0..1).map(|_| SlotBuffers::owned(cfg.slot_elems())).collect();
+        let probe = Loader::new(ds.clone(), cfg.clone(), slots, state_pos).unwrap();
+        let mut st = probe.state();
+        drop(probe);
+        st.position = state_pos;
+        let start = resume_position(&ds, &cfg, &st).unwrap();
+        let resumed = run(&ds, &cfg, start, usize::MAX);
+        prop_assert!(resumed.iter().map(|x| &x.1).eq(full[cut..].iter().map(|x| &x.1)));
+    }
+}
