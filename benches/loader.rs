@@ -18,7 +18,12 @@ fn data() -> Arc<Dataset> {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/bench-data/lognormal-200k");
     if !dir.join("manifest.json").exists() {
         let _ = std::fs::remove_dir_all(&dir);
-        let spec = SyntheticSpec { documents: 200_000, mu: 6.0, sigma: 1.0, ..Default::default() };
+        let spec = SyntheticSpec {
+            documents: 200_000,
+            mu: 6.0,
+            sigma: 1.0,
+            ..Default::default()
+        };
         write_synthetic(&dir, &spec).unwrap();
     }
     Arc::new(Dataset::open(&dir).unwrap())
@@ -37,15 +42,34 @@ fn block_ops(c: &mut Criterion) {
         b.iter(|| read_block(&ds, &frames, &mut dec, &pool).unwrap())
     });
     g.bench_function("pack_best_fit_2048", |b| {
-        b.iter(|| pool.give_rows(pack_rows(&docs, 2049, PackStrategy::BestFit, Some(&mut ChaCha8Rng::seed_from_u64(0)), &pool).0))
+        b.iter(|| {
+            pool.give_rows(
+                pack_rows(
+                    &docs,
+                    2049,
+                    PackStrategy::BestFit,
+                    Some(&mut ChaCha8Rng::seed_from_u64(0)),
+                    &pool,
+                )
+                .0,
+            )
+        })
     });
-    g.bench_function("pack_concat_2048", |b| b.iter(|| pool.give_rows(pack_rows(&docs, 2049, PackStrategy::Concat, None, &pool).0)));
-    let spec = BucketSpec { lengths: vec![128, 256, 512, 1024, 2048], token_budget: 65536 };
-    g.bench_function("bucket_5_lengths", |b| b.iter(|| {
-        for r in bucket_batches(&docs, &spec, Some(&mut ChaCha8Rng::seed_from_u64(0)), &pool).0 {
-            pool.give_rows(r)
-        }
-    }));
+    g.bench_function("pack_concat_2048", |b| {
+        b.iter(|| pool.give_rows(pack_rows(&docs, 2049, PackStrategy::Concat, None, &pool).0))
+    });
+    let spec = BucketSpec {
+        lengths: vec![128, 256, 512, 1024, 2048],
+        token_budget: 65536,
+    };
+    g.bench_function("bucket_5_lengths", |b| {
+        b.iter(|| {
+            for r in bucket_batches(&docs, &spec, Some(&mut ChaCha8Rng::seed_from_u64(0)), &pool).0
+            {
+                pool.give_rows(r)
+            }
+        })
+    });
     g.finish();
 }
 
@@ -56,10 +80,18 @@ fn full_loader(c: &mut Criterion) {
     let mut g = c.benchmark_group("loader_pack_2048x16");
     g.throughput(Throughput::Elements((batch * (seq + 1) * 64) as u64));
     g.sample_size(10);
-    for threads in [1usize, 2, std::thread::available_parallelism().map_or(4, |n| n.get())] {
+    for threads in [
+        1usize,
+        2,
+        std::thread::available_parallelism().map_or(4, |n| n.get()),
+    ] {
         g.bench_function(format!("threads_{threads}"), |b| {
             let cfg = LoaderConfig {
-                mode: Mode::Pack { seq_len: seq, batch_size: batch, strategy: PackStrategy::BestFit },
+                mode: Mode::Pack {
+                    seq_len: seq,
+                    batch_size: batch,
+                    strategy: PackStrategy::BestFit,
+                },
                 seed: 0,
                 shuffle: true,
                 rank: 0,
@@ -69,7 +101,9 @@ fn full_loader(c: &mut Criterion) {
                 threads,
                 prefetch_blocks: 2 * threads,
             };
-            let slots = (0..4).map(|_| SlotBuffers::owned(cfg.slot_elems())).collect();
+            let slots = (0..4)
+                .map(|_| SlotBuffers::owned(cfg.slot_elems()))
+                .collect();
             let loader = Loader::new(ds.clone(), cfg, slots, Position::default()).unwrap();
             b.iter(|| {
                 for _ in 0..64 {

@@ -41,7 +41,9 @@ def expand(inputs: list[str]) -> list[Path]:
                 raise InputError(f"{p}: unsupported file type (supported: {', '.join(SUFFIXES)})")
             found = [p]
         else:
-            found = [Path(f) for f in sorted(glob.glob(spec, recursive=True)) if _supported(Path(f))]
+            found = [
+                Path(f) for f in sorted(glob.glob(spec, recursive=True)) if _supported(Path(f))
+            ]
             if not found:
                 raise InputError(f"{spec}: no such file, directory, or matching glob")
         out.extend(found)
@@ -109,10 +111,14 @@ def _jsonl(path: Path, opts: ReadOptions) -> Iterator[tuple[str, str]]:
             except json.JSONDecodeError as e:
                 raise InputError(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from e
             if not isinstance(obj, dict) or opts.text_field not in obj:
-                raise InputError(f"{where}: no field {opts.text_field!r} (choose one with --text-field)")
+                raise InputError(
+                    f"{where}: no field {opts.text_field!r} (choose one with --text-field)"
+                )
             text = obj[opts.text_field]
             if not isinstance(text, str):
-                raise InputError(f"{where}: field {opts.text_field!r} is {type(text).__name__}, not a string")
+                raise InputError(
+                    f"{where}: field {opts.text_field!r} is {type(text).__name__}, not a string"
+                )
             yield where, text
 
 
@@ -133,5 +139,7 @@ def _parquet(path: Path, opts: ReadOptions) -> Iterator[tuple[str, str]]:
         for text in batch.column(0).to_pylist():
             row += 1
             if not isinstance(text, str):
-                raise InputError(f"{path}:row {row}: column {opts.text_field!r} is {type(text).__name__}, not a string")
+                raise InputError(
+                    f"{path}:row {row}: column {opts.text_field!r} is {type(text).__name__}, not a string"
+                )
             yield f"{path}:row {row}", text

@@ -18,22 +18,70 @@ EXIT_INPUT, EXIT_USAGE, EXIT_EXISTS, EXIT_CORRUPT = 1, 2, 3, 4
 
 
 def _pack_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pack-shards", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("inputs", nargs="+", help="files, directories or globs (.txt .jsonl .jsonl.gz .jsonl.zst .parquet)")
+    p = argparse.ArgumentParser(
+        prog="pack-shards",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "inputs",
+        nargs="+",
+        help="files, directories or globs (.txt .jsonl .jsonl.gz .jsonl.zst .parquet)",
+    )
     p.add_argument("-o", "--output", required=True, type=Path, help="dataset directory to create")
-    p.add_argument("--tokenizer", default="byte", help="path to a Hugging Face tokenizer.json, or 'byte' (built in)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "uint16", "uint32"], help="token dtype on disk")
-    p.add_argument("--text-field", default="text", help="JSON field / parquet column holding the text")
-    p.add_argument("--txt-per-line", action=argparse.BooleanOptionalAction, default=False, help="one document per line of a .txt file (default: one per file)")
-    p.add_argument("--eos", action=argparse.BooleanOptionalAction, default=True, help="append the end-of-text token to every document")
-    p.add_argument("--bos", action=argparse.BooleanOptionalAction, default=False, help="prepend the begin-of-text token")
-    p.add_argument("--frame-mib", type=float, default=2.0, help="uncompressed MiB of tokens per zstd frame")
+    p.add_argument(
+        "--tokenizer",
+        default="byte",
+        help="path to a Hugging Face tokenizer.json, or 'byte' (built in)",
+    )
+    p.add_argument(
+        "--dtype", default="auto", choices=["auto", "uint16", "uint32"], help="token dtype on disk"
+    )
+    p.add_argument(
+        "--text-field", default="text", help="JSON field / parquet column holding the text"
+    )
+    p.add_argument(
+        "--txt-per-line",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="one document per line of a .txt file (default: one per file)",
+    )
+    p.add_argument(
+        "--eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="append the end-of-text token to every document",
+    )
+    p.add_argument(
+        "--bos",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="prepend the begin-of-text token",
+    )
+    p.add_argument(
+        "--frame-mib", type=float, default=2.0, help="uncompressed MiB of tokens per zstd frame"
+    )
     p.add_argument("--shard-mib", type=float, default=256.0, help="compressed MiB per shard file")
     p.add_argument("--zstd-level", type=int, default=3, help="zstd compression level")
     p.add_argument("--batch-docs", type=int, default=512, help="documents per encode_batch call")
-    p.add_argument("--workers", type=int, default=os.cpu_count(), help="tokenizer threads (output does not depend on it)")
-    p.add_argument("--overwrite", action=argparse.BooleanOptionalAction, default=False, help="replace an existing output directory (atomically)")
-    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="show a progress bar")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=os.cpu_count(),
+        help="tokenizer threads (output does not depend on it)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="replace an existing output directory (atomically)",
+    )
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="show a progress bar",
+    )
     return p
 
 
@@ -59,7 +107,9 @@ def pack_main(argv: list[str]) -> int:
         zstd_level=args.zstd_level,
         batch_docs=args.batch_docs,
     )
-    docs = iter_documents(args.inputs, ReadOptions(text_field=args.text_field, txt_per_line=args.txt_per_line))
+    docs = iter_documents(
+        args.inputs, ReadOptions(text_field=args.text_field, txt_per_line=args.txt_per_line)
+    )
     bar = _progress_bar() if args.progress else None
     try:
         report = pack(docs, args.output, opts, overwrite=args.overwrite, progress=bar)
@@ -91,7 +141,9 @@ class _progress_bar:
     def __init__(self):
         from tqdm import tqdm
 
-        self.bar = tqdm(unit="B", unit_scale=True, desc="pack-shards", file=sys.stderr, mininterval=0.5)
+        self.bar = tqdm(
+            unit="B", unit_scale=True, desc="pack-shards", file=sys.stderr, mininterval=0.5
+        )
         self.seen = 0
 
     def __call__(self, r) -> None:
@@ -104,7 +156,9 @@ class _progress_bar:
 
 
 def verify_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="pack-shards verify", description="check every checksum and count of a dataset")
+    p = argparse.ArgumentParser(
+        prog="pack-shards verify", description="check every checksum and count of a dataset"
+    )
     p.add_argument("dataset", type=Path)
     args = p.parse_args(argv)
     from pytrain import _loader
@@ -115,12 +169,16 @@ def verify_main(argv: list[str]) -> int:
     except (_loader.LoaderError, OSError) as e:
         print(f"pack-shards verify: FAILED: {e}", file=sys.stderr)
         return EXIT_CORRUPT
-    print(f"{args.dataset}: OK ({r['shards']} shards, {r['frames']} frames, {r['documents']:,} documents, {r['tokens']:,} tokens)")
+    print(
+        f"{args.dataset}: OK ({r['shards']} shards, {r['frames']} frames, {r['documents']:,} documents, {r['tokens']:,} tokens)"
+    )
     return 0
 
 
 def inspect_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="pack-shards inspect", description="counts and document-length histogram")
+    p = argparse.ArgumentParser(
+        prog="pack-shards inspect", description="counts and document-length histogram"
+    )
     p.add_argument("dataset", type=Path)
     p.add_argument("--plot", type=Path, default=None, help="write the histogram as a PNG here")
     args = p.parse_args(argv)
@@ -132,12 +190,18 @@ def inspect_main(argv: list[str]) -> int:
     lens = doc_lengths(args.dataset)
     t = m["totals"]
     print(f"dataset     {args.dataset}")
-    print(f"tokenizer   {m['tokenizer']['name']} (vocab {m['tokenizer']['vocab_size']}, sha256 {m['tokenizer']['sha256'][:12]})")
+    print(
+        f"tokenizer   {m['tokenizer']['name']} (vocab {m['tokenizer']['vocab_size']}, sha256 {m['tokenizer']['sha256'][:12]})"
+    )
     print(f"dtype       {m['dtype']}")
     print(f"shards      {len(m['shards'])}   frames {t['frames']}   bytes {t['bytes']:,}")
     print(f"documents   {t['documents']:,} ({t['skipped_empty']:,} empty skipped)")
-    print(f"tokens      {t['tokens']:,}   compression {t['tokens'] * np.dtype(m['dtype']).itemsize / max(t['bytes'], 1):.2f}x")
-    print(f"doc length  min {lens.min()}  median {int(np.median(lens))}  mean {lens.mean():.1f}  p99 {int(np.percentile(lens, 99))}  max {lens.max()}")
+    print(
+        f"tokens      {t['tokens']:,}   compression {t['tokens'] * np.dtype(m['dtype']).itemsize / max(t['bytes'], 1):.2f}x"
+    )
+    print(
+        f"doc length  min {lens.min()}  median {int(np.median(lens))}  mean {lens.mean():.1f}  p99 {int(np.percentile(lens, 99))}  max {lens.max()}"
+    )
     edges = 2 ** np.arange(0, int(np.log2(max(lens.max(), 1))) + 2)
     counts, _ = np.histogram(lens, bins=edges)
     width = max(counts.max(), 1)

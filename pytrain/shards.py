@@ -112,7 +112,9 @@ def pack(
     if opts.prepend_bos and info.bos_id is None:
         raise TokenizerError(f"tokenizer {tok_name} has no begin-of-text token; drop --bos")
     batches = (_encode(tok, b, info, opts) for b in _batches(docs, opts.batch_docs))
-    return write_dataset(batches, out_dir, info, dtype, opts, overwrite=overwrite, progress=progress, tokenizer=tok)
+    return write_dataset(
+        batches, out_dir, info, dtype, opts, overwrite=overwrite, progress=progress, tokenizer=tok
+    )
 
 
 def write_dataset(
@@ -147,7 +149,9 @@ def write_dataset(
     return report
 
 
-def _write_shards(batches: Iterable[TokenBatch], tmp: Path, dtype: str, opts: PackOptions, progress):
+def _write_shards(
+    batches: Iterable[TokenBatch], tmp: Path, dtype: str, opts: PackOptions, progress
+):
     report = PackReport()
     t0 = time.perf_counter()
     frame_bytes = int(opts.frame_mib * (1 << 20))
@@ -170,7 +174,10 @@ def _write_shards(batches: Iterable[TokenBatch], tmp: Path, dtype: str, opts: Pa
                 path = tmp / f"shard-{len(report.shards):05d}.tks"
                 writer = _loader.ShardWriter(str(path), dtype, frame_bytes, opts.zstd_level)
             try:
-                writer.add_documents(b.ids.astype("<u4", copy=False).tobytes(), b.lengths.astype("<u4", copy=False).tobytes())
+                writer.add_documents(
+                    b.ids.astype("<u4", copy=False).tobytes(),
+                    b.lengths.astype("<u4", copy=False).tobytes(),
+                )
             except ValueError as e:
                 raise ValueError(f"{b.where}: {e}") from e
             report.documents += int(b.lengths.size)
@@ -187,7 +194,9 @@ def _write_shards(batches: Iterable[TokenBatch], tmp: Path, dtype: str, opts: Pa
     return report
 
 
-def _encode(tok, batch: list[tuple[str, str]], info: TokenizerInfo, opts: PackOptions) -> TokenBatch:
+def _encode(
+    tok, batch: list[tuple[str, str]], info: TokenizerInfo, opts: PackOptions
+) -> TokenBatch:
     """Tokenizes a batch; empty documents are skipped and counted."""
     texts = [t for _, t in batch if t]
     encodings = tok.encode_batch_fast(texts, add_special_tokens=False)
@@ -219,7 +228,10 @@ def _write_manifest(tmp: Path, info: TokenizerInfo, dtype: str, opts: PackOption
             "skipped_empty": r.skipped_empty,
             "input_bytes": r.input_bytes,
         },
-        "shards": [{k: s[k] for k in ("file", "documents", "tokens", "frames", "bytes", "xxh3_64")} for s in r.shards],
+        "shards": [
+            {k: s[k] for k in ("file", "documents", "tokens", "frames", "bytes", "xxh3_64")}
+            for s in r.shards
+        ],
         "args": asdict(opts),
         "created_by": "pytrain pack-shards",
     }
@@ -264,8 +276,15 @@ def verify(path: Path) -> dict:
     t = m["totals"]
     for key, got in (("documents", ds.n_docs), ("tokens", ds.n_tokens), ("frames", ds.n_frames)):
         if t[key] != got:
-            raise _loader.ManifestError(f"manifest {path}/{MANIFEST}: totals.{key} is {t[key]}, shards hold {got}")
-    return {"documents": ds.n_docs, "tokens": ds.n_tokens, "frames": ds.n_frames, "shards": len(m["shards"])}
+            raise _loader.ManifestError(
+                f"manifest {path}/{MANIFEST}: totals.{key} is {t[key]}, shards hold {got}"
+            )
+    return {
+        "documents": ds.n_docs,
+        "tokens": ds.n_tokens,
+        "frames": ds.n_frames,
+        "shards": len(m["shards"]),
+    }
 
 
 def doc_lengths(path: Path) -> np.ndarray:

@@ -92,7 +92,9 @@ def load_tokenizer(spec: str | Path) -> tuple[Tokenizer, str]:
     if path.is_dir():
         path = path / "tokenizer.json"
     if not path.is_file():
-        raise TokenizerError(f"tokenizer file not found: {path} (give a tokenizer.json path or 'byte')")
+        raise TokenizerError(
+            f"tokenizer file not found: {path} (give a tokenizer.json path or 'byte')"
+        )
     try:
         return Tokenizer.from_file(str(path)), str(path)
     except Exception as e:  # tokenizers raises a bare Exception on bad JSON

@@ -13,7 +13,11 @@ use crate::rows::{BlockDocs, BufferPool, DocSpan, Rows};
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Mode {
     /// Rows of `seq_len + 1` tokens, `batch_size` rows per batch.
-    Pack { seq_len: usize, batch_size: usize, strategy: PackStrategy },
+    Pack {
+        seq_len: usize,
+        batch_size: usize,
+        strategy: PackStrategy,
+    },
     /// One piece per row, rows grouped by bucket length.
     Bucket(BucketSpec),
 }
@@ -55,7 +59,9 @@ pub struct Decoder {
 
 impl Decoder {
     pub fn new() -> Self {
-        Decoder { zstd: zstd::bulk::Decompressor::new().expect("zstd context allocation") }
+        Decoder {
+            zstd: zstd::bulk::Decompressor::new().expect("zstd context allocation"),
+        }
     }
 }
 
@@ -66,8 +72,17 @@ impl Default for Decoder {
 }
 
 /// Decodes the frames of a block and lists their documents, in frame order.
-pub fn read_block(ds: &Dataset, frames: &[u64], dec: &mut Decoder, pool: &BufferPool) -> Result<BlockDocs> {
-    let mut out = BlockDocs { dtype: ds.dtype, frames: Vec::with_capacity(frames.len()), docs: Vec::new() };
+pub fn read_block(
+    ds: &Dataset,
+    frames: &[u64],
+    dec: &mut Decoder,
+    pool: &BufferPool,
+) -> Result<BlockDocs> {
+    let mut out = BlockDocs {
+        dtype: ds.dtype,
+        frames: Vec::with_capacity(frames.len()),
+        docs: Vec::new(),
+    };
     for (k, &g) in frames.iter().enumerate() {
         let fr = ds.frames[g as usize];
         let shard = &ds.shards[fr.shard as usize];
@@ -77,7 +92,11 @@ pub fn read_block(ds: &Dataset, frames: &[u64], dec: &mut Decoder, pool: &Buffer
         let mut start = 0u32;
         for d in entry.first_doc..entry.first_doc + entry.n_docs {
             let len = shard.doc_len(d);
-            out.docs.push(DocSpan { frame: k as u32, start, len });
+            out.docs.push(DocSpan {
+                frame: k as u32,
+                start,
+                len,
+            });
             start += len;
         }
         out.frames.push(buf);
@@ -101,7 +120,9 @@ pub fn make_block(
     }
     let rng = order.shuffle.then_some(&mut rng);
     let (output, stats) = match mode {
-        Mode::Pack { seq_len, strategy, .. } => {
+        Mode::Pack {
+            seq_len, strategy, ..
+        } => {
             let (rows, stats) = pack_rows(&docs, seq_len + 1, *strategy, rng, pool);
             (BlockOutput::Rows(rows), stats)
         }

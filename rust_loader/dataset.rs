@@ -48,7 +48,10 @@ pub struct Dataset {
 }
 
 fn manifest_err(path: &Path, detail: impl Into<String>) -> Error {
-    Error::Manifest { path: path.to_path_buf(), detail: detail.into() }
+    Error::Manifest {
+        path: path.to_path_buf(),
+        detail: detail.into(),
+    }
 }
 
 impl Dataset {
@@ -59,17 +62,27 @@ impl Dataset {
         let manifest: Manifest =
             serde_json::from_slice(&bytes).map_err(|e| manifest_err(&mpath, e.to_string()))?;
         if manifest.format != FORMAT_NAME {
-            return Err(manifest_err(&mpath, format!("field 'format' is {:?}, want {FORMAT_NAME:?}", manifest.format)));
+            return Err(manifest_err(
+                &mpath,
+                format!(
+                    "field 'format' is {:?}, want {FORMAT_NAME:?}",
+                    manifest.format
+                ),
+            ));
         }
         if manifest.format_version != crate::format::VERSION {
-            return Err(manifest_err(&mpath, format!(
-                "field 'format_version' is {}, this build reads {}",
-                manifest.format_version,
-                crate::format::VERSION
-            )));
+            return Err(manifest_err(
+                &mpath,
+                format!(
+                    "field 'format_version' is {}, this build reads {}",
+                    manifest.format_version,
+                    crate::format::VERSION
+                ),
+            ));
         }
-        let dtype = TokenDtype::from_name(&manifest.dtype)
-            .ok_or_else(|| manifest_err(&mpath, format!("field 'dtype' is {:?}", manifest.dtype)))?;
+        let dtype = TokenDtype::from_name(&manifest.dtype).ok_or_else(|| {
+            manifest_err(&mpath, format!("field 'dtype' is {:?}", manifest.dtype))
+        })?;
         if manifest.shards.is_empty() {
             return Err(manifest_err(&mpath, "field 'shards' is empty"));
         }
@@ -81,10 +94,10 @@ impl Dataset {
                 if want == got {
                     Ok(())
                 } else {
-                    Err(manifest_err(&mpath, format!(
-                        "shards[{si}].{name} is {want} but {} has {got}",
-                        ms.file
-                    )))
+                    Err(manifest_err(
+                        &mpath,
+                        format!("shards[{si}].{name} is {want} but {} has {got}", ms.file),
+                    ))
                 }
             };
             field("documents", ms.documents, reader.n_docs())?;
@@ -92,14 +105,32 @@ impl Dataset {
             field("frames", ms.frames, reader.frames().len() as u64)?;
             field("bytes", ms.bytes, reader.file_len())?;
             if reader.dtype() != dtype {
-                return Err(manifest_err(&mpath, format!("{} holds {} tokens, manifest says {}", ms.file, reader.dtype().name(), dtype.name())));
+                return Err(manifest_err(
+                    &mpath,
+                    format!(
+                        "{} holds {} tokens, manifest says {}",
+                        ms.file,
+                        reader.dtype().name(),
+                        dtype.name()
+                    ),
+                ));
             }
             for f in 0..reader.frames().len() {
-                frames.push(FrameRef { shard: si as u32, frame: f as u32 });
+                frames.push(FrameRef {
+                    shard: si as u32,
+                    frame: f as u32,
+                });
             }
             shards.push(reader);
         }
-        Ok(Dataset { dir: dir.to_path_buf(), dtype, shards, frames, manifest_hash: checksum(&bytes), manifest })
+        Ok(Dataset {
+            dir: dir.to_path_buf(),
+            dtype,
+            shards,
+            frames,
+            manifest_hash: checksum(&bytes),
+            manifest,
+        })
     }
 
     pub fn n_frames(&self) -> usize {
@@ -118,7 +149,10 @@ impl Dataset {
     pub fn verify(&self) -> Result<()> {
         for (ms, reader) in self.manifest.shards.iter().zip(&self.shards) {
             let want = u64::from_str_radix(&ms.xxh3_64, 16).map_err(|_| {
-                manifest_err(&self.dir.join(MANIFEST), format!("{}: xxh3_64 {:?} is not hex", ms.file, ms.xxh3_64))
+                manifest_err(
+                    &self.dir.join(MANIFEST),
+                    format!("{}: xxh3_64 {:?} is not hex", ms.file, ms.xxh3_64),
+                )
             })?;
             reader.verify(Some(want))?;
         }

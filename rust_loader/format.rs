@@ -162,7 +162,11 @@ impl Footer {
         }
         let b = &b[b.len() - FOOTER_LEN..];
         if &b[0..8] != MAGIC {
-            return Err(Error::corrupt(shard, None, "bad magic: not a pytrain token shard (or truncated)"));
+            return Err(Error::corrupt(
+                shard,
+                None,
+                "bad magic: not a pytrain token shard (or truncated)",
+            ));
         }
         let version = u32::from_le_bytes(b[8..12].try_into().unwrap());
         if version != VERSION {
@@ -173,8 +177,9 @@ impl Footer {
             ));
         }
         let width = u32::from_le_bytes(b[12..16].try_into().unwrap());
-        let dtype = TokenDtype::from_width(width)
-            .ok_or_else(|| Error::corrupt(shard, None, format!("token width {width} is not 2 or 4")))?;
+        let dtype = TokenDtype::from_width(width).ok_or_else(|| {
+            Error::corrupt(shard, None, format!("token width {width} is not 2 or 4"))
+        })?;
         Ok(Footer {
             version,
             dtype,

@@ -41,7 +41,11 @@ impl LoaderConfig {
     /// Row width and rows of the largest batch: the size a slot must have.
     pub fn slot_elems(&self) -> usize {
         match &self.mode {
-            Mode::Pack { seq_len, batch_size, .. } => (seq_len + 1) * batch_size,
+            Mode::Pack {
+                seq_len,
+                batch_size,
+                ..
+            } => (seq_len + 1) * batch_size,
             Mode::Bucket(spec) => spec.slot_elems(),
         }
     }
@@ -49,8 +53,17 @@ impl LoaderConfig {
     /// Hash of every setting that changes which batches come out (not threads or prefetch).
     pub fn fingerprint(&self) -> u64 {
         let mode: Vec<u64> = match &self.mode {
-            Mode::Pack { seq_len, batch_size, strategy } => {
-                vec![1, *seq_len as u64, *batch_size as u64, (*strategy == PackStrategy::Concat) as u64]
+            Mode::Pack {
+                seq_len,
+                batch_size,
+                strategy,
+            } => {
+                vec![
+                    1,
+                    *seq_len as u64,
+                    *batch_size as u64,
+                    (*strategy == PackStrategy::Concat) as u64,
+                ]
             }
             Mode::Bucket(spec) => {
                 let mut v = vec![2, spec.token_budget as u64];
@@ -58,7 +71,12 @@ impl LoaderConfig {
                 v
             }
         };
-        let mut parts = vec![self.seed, self.shuffle as u64, self.frames_per_block, self.num_epochs.unwrap_or(u64::MAX)];
+        let mut parts = vec![
+            self.seed,
+            self.shuffle as u64,
+            self.frames_per_block,
+            self.num_epochs.unwrap_or(u64::MAX),
+        ];
         parts.extend(mode);
         seed_of(&parts)
     }
@@ -66,13 +84,20 @@ impl LoaderConfig {
     fn validate(&self) -> Result<()> {
         let bad = |m: &str| Err(Error::InvalidArgument(m.to_string()));
         if self.world_size == 0 || self.rank >= self.world_size {
-            return bad(&format!("rank {} is not in 0..world_size {}", self.rank, self.world_size));
+            return bad(&format!(
+                "rank {} is not in 0..world_size {}",
+                self.rank, self.world_size
+            ));
         }
         if self.frames_per_block == 0 || self.threads == 0 || self.prefetch_blocks == 0 {
             return bad("frames_per_block, threads and prefetch_blocks must be positive");
         }
         match &self.mode {
-            Mode::Pack { seq_len, batch_size, .. } if *seq_len == 0 || *batch_size == 0 => {
+            Mode::Pack {
+                seq_len,
+                batch_size,
+                ..
+            } if *seq_len == 0 || *batch_size == 0 => {
                 bad("seq_len and batch_size must be positive")
             }
             Mode::Bucket(spec)
@@ -138,8 +163,20 @@ impl SlotBuffers {
             _doc_ids: vec![0; capacity],
             _loss_mask: vec![0; capacity],
         };
-        let (t, p, d, m) = (o._tokens.as_mut_ptr(), o._position_ids.as_mut_ptr(), o._doc_ids.as_mut_ptr(), o._loss_mask.as_mut_ptr());
-        SlotBuffers { tokens: t, position_ids: p, doc_ids: d, loss_mask: m, capacity, _owner: Box::new(o) }
+        let (t, p, d, m) = (
+            o._tokens.as_mut_ptr(),
+            o._position_ids.as_mut_ptr(),
+            o._doc_ids.as_mut_ptr(),
+            o._loss_mask.as_mut_ptr(),
+        );
+        SlotBuffers {
+            tokens: t,
+            position_ids: p,
+            doc_ids: d,
+            loss_mask: m,
+            capacity,
+            _owner: Box::new(o),
+        }
     }
 
     /// A slot over foreign memory.
@@ -155,7 +192,14 @@ impl SlotBuffers {
         capacity: usize,
         owner: Box<dyn Send>,
     ) -> Self {
-        SlotBuffers { tokens, position_ids, doc_ids, loss_mask, capacity, _owner: owner }
+        SlotBuffers {
+            tokens,
+            position_ids,
+            doc_ids,
+            loss_mask,
+            capacity,
+            _owner: owner,
+        }
     }
 
     /// # Safety
@@ -239,11 +283,16 @@ struct Shared {
 impl Shared {
     fn position(&self, linear: u64, item: u64) -> Position {
         let per = self.order.blocks_per_epoch();
-        Position { epoch: linear / per, block: linear % per, item }
+        Position {
+            epoch: linear / per,
+            block: linear % per,
+            item,
+        }
     }
 
     fn finished(&self, seq: u64) -> bool {
-        self.end_linear.is_some_and(|end| self.start_linear + seq >= end)
+        self.end_linear
+            .is_some_and(|end| self.start_linear + seq >= end)
     }
 }
 
@@ -260,14 +309,22 @@ pub struct Loader {
 
 impl Loader {
     /// Starts the threads. `start` is where to begin (a saved position, or the default).
-    pub fn new(ds: Arc<Dataset>, config: LoaderConfig, slots: Vec<SlotBuffers>, start: Position) -> Result<Self> {
+    pub fn new(
+        ds: Arc<Dataset>,
+        config: LoaderConfig,
+        slots: Vec<SlotBuffers>,
+        start: Position,
+    ) -> Result<Self> {
         config.validate()?;
         if slots.is_empty() {
             return Err(Error::InvalidArgument("at least one slot is needed".into()));
         }
         let need = config.slot_elems();
         if let Some(s) = slots.iter().find(|s| s.capacity < need) {
-            return Err(Error::InvalidArgument(format!("a slot holds {} elements, the batch shape needs {need}", s.capacity)));
+            return Err(Error::InvalidArgument(format!(
+                "a slot holds {} elements, the batch shape needs {need}",
+                s.capacity
+            )));
         }
         let order = RankOrder {
             n_frames: ds.n_frames() as u64,
@@ -285,7 +342,10 @@ impl Loader {
         }
         let per = order.blocks_per_epoch();
         if start.block >= per {
-            return Err(Error::State(format!("block {} is past the {per} blocks of an epoch", start.block)));
+            return Err(Error::State(format!(
+                "block {} is past the {per} blocks of an epoch",
+                start.block
+            )));
         }
         let start_linear = start.epoch * per + start.block;
         let end_linear = config.num_epochs.map(|n| n * per);
@@ -295,7 +355,11 @@ impl Loader {
             start_linear,
             start_item: start.item,
             end_linear,
-            produced: Mutex::new(Produced { blocks: BTreeMap::new(), next_seq: 0, consumed: 0 }),
+            produced: Mutex::new(Produced {
+                blocks: BTreeMap::new(),
+                next_seq: 0,
+                consumed: 0,
+            }),
             cv: Condvar::new(),
             stop: AtomicBool::new(false),
             documents_packed: AtomicU64::new(0),
@@ -316,7 +380,9 @@ impl Loader {
             threads.push(std::thread::spawn(move || worker(&sh)));
         }
         let (sh, sl) = (shared.clone(), slots.clone());
-        threads.push(std::thread::spawn(move || assembler(&sh, &sl, &free_rx, &ready_tx, &stop_rx)));
+        threads.push(std::thread::spawn(move || {
+            assembler(&sh, &sl, &free_rx, &ready_tx, &stop_rx)
+        }));
         Ok(Loader {
             shared,
             slots,
@@ -367,7 +433,9 @@ impl Loader {
             }
             Err(_) => {
                 st.2 = true;
-                Err(Error::Internal("the assembler thread stopped without a reason".into()))
+                Err(Error::Internal(
+                    "the assembler thread stopped without a reason".into(),
+                ))
             }
         }
     }
@@ -384,7 +452,11 @@ impl Loader {
 
     /// The data of a held batch.
     pub fn view(&self, b: &ReadyBatch) -> BatchView<'_> {
-        assert!(self.held.lock().unwrap().contains(&b.slot), "slot {} is not held", b.slot);
+        assert!(
+            self.held.lock().unwrap().contains(&b.slot),
+            "slot {} is not held",
+            b.slot
+        );
         let s = &self.slots[b.slot];
         let n = b.rows * b.width;
         // SAFETY: the slot is held by the consumer, so the assembler does not write it
@@ -439,7 +511,11 @@ impl Drop for Loader {
 }
 
 /// Checks a saved state against this dataset and configuration and returns where to start.
-pub fn resume_position(ds: &Dataset, config: &LoaderConfig, state: &LoaderState) -> Result<Position> {
+pub fn resume_position(
+    ds: &Dataset,
+    config: &LoaderConfig,
+    state: &LoaderState,
+) -> Result<Position> {
     if state.manifest_hash != ds.manifest_hash {
         return Err(Error::State(format!(
             "the dataset in {} changed since the state was saved (manifest hash {:016x}, saved {:016x})",
@@ -485,7 +561,14 @@ fn worker(sh: &Shared) {
         // A panic here would leave the assembler waiting for this block forever: turn it
         // into an error that reaches the consumer instead.
         let block = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            make_block(&sh.ds, &sh.order, &sh.config.mode, (pos.epoch, pos.block), &mut dec, &sh.pool)
+            make_block(
+                &sh.ds,
+                &sh.order,
+                &sh.config.mode,
+                (pos.epoch, pos.block),
+                &mut dec,
+                &sh.pool,
+            )
         }))
         .unwrap_or_else(|p| Err(Error::Internal(crate::error::panic_message(p))));
         let failed = block.is_err();
@@ -498,7 +581,13 @@ fn worker(sh: &Shared) {
 }
 
 /// Fills slots in block order. Returns when the data ends, on error, or on stop.
-fn assembler(sh: &Shared, slots: &[SlotBuffers], free_rx: &Receiver<usize>, ready_tx: &Sender<Message>, stop_rx: &Receiver<()>) {
+fn assembler(
+    sh: &Shared,
+    slots: &[SlotBuffers],
+    free_rx: &Receiver<usize>,
+    ready_tx: &Sender<Message>,
+    stop_rx: &Receiver<()>,
+) {
     let acquire = || -> Option<usize> {
         select! {
             recv(free_rx) -> s => s.ok(),
@@ -511,7 +600,9 @@ fn assembler(sh: &Shared, slots: &[SlotBuffers], free_rx: &Receiver<usize>, read
         if sh.finished(seq) {
             // The last epoch ended: pad and deliver a partly filled pack batch.
             if let Some(f) = filling.take() {
-                let _ = ready_tx.send(Message::Batch(f.finish(slots, sh.position(sh.start_linear + seq, 0))));
+                let _ = ready_tx.send(Message::Batch(
+                    f.finish(slots, sh.position(sh.start_linear + seq, 0)),
+                ));
             }
             let _ = ready_tx.send(Message::End);
             return;
@@ -537,16 +628,26 @@ fn assembler(sh: &Shared, slots: &[SlotBuffers], free_rx: &Receiver<usize>, read
                 return;
             }
         };
-        sh.documents_packed.fetch_add(block.stats.documents, Ordering::Relaxed);
-        sh.documents_cut.fetch_add(block.stats.cut_documents, Ordering::Relaxed);
+        sh.documents_packed
+            .fetch_add(block.stats.documents, Ordering::Relaxed);
+        sh.documents_cut
+            .fetch_add(block.stats.cut_documents, Ordering::Relaxed);
         let linear = sh.start_linear + seq;
         let here = sh.position(linear, 0);
         let skip = if seq == 0 { sh.start_item as usize } else { 0 };
         let n = block.output.n_items();
-        let after = |i: usize| if i + 1 == n { sh.position(linear + 1, 0) } else { sh.position(linear, i as u64 + 1) };
+        let after = |i: usize| {
+            if i + 1 == n {
+                sh.position(linear + 1, 0)
+            } else {
+                sh.position(linear, i as u64 + 1)
+            }
+        };
         match &block.output {
             BlockOutput::Rows(rows) => {
-                let Mode::Pack { batch_size, .. } = sh.config.mode else { unreachable!() };
+                let Mode::Pack { batch_size, .. } = sh.config.mode else {
+                    unreachable!()
+                };
                 for r in skip..n {
                     if filling.is_none() {
                         let Some(slot) = acquire() else { return };
@@ -555,7 +656,9 @@ fn assembler(sh: &Shared, slots: &[SlotBuffers], free_rx: &Receiver<usize>, read
                     let f = filling.as_mut().unwrap();
                     f.push(slots, rows, r);
                     if f.rows == batch_size {
-                        let _ = ready_tx.send(Message::Batch(filling.take().unwrap().finish(slots, after(r))));
+                        let _ = ready_tx.send(Message::Batch(
+                            filling.take().unwrap().finish(slots, after(r)),
+                        ));
                     }
                 }
             }
@@ -588,7 +691,15 @@ struct Filling {
 
 impl Filling {
     fn new(slot: usize, width: usize, capacity_rows: usize, epoch: u64) -> Self {
-        Filling { slot, width, capacity_rows, rows: 0, epoch, doc_tokens: 0, pad_tokens: 0 }
+        Filling {
+            slot,
+            width,
+            capacity_rows,
+            rows: 0,
+            epoch,
+            doc_tokens: 0,
+            pad_tokens: 0,
+        }
     }
 
     fn push(&mut self, slots: &[SlotBuffers], src: &Rows, r: usize) {
@@ -596,7 +707,10 @@ impl Filling {
         // access until it sends the slot to the consumer.
         let dst = unsafe { slots[self.slot].slices_mut() };
         src.copy_row_to(r, dst, self.rows);
-        let real = src.doc_ids[r * src.width..(r + 1) * src.width].iter().filter(|&&d| d >= 0).count() as u64;
+        let real = src.doc_ids[r * src.width..(r + 1) * src.width]
+            .iter()
+            .filter(|&&d| d >= 0)
+            .count() as u64;
         self.doc_tokens += real;
         self.pad_tokens += src.width as u64 - real;
         self.rows += 1;

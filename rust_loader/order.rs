@@ -22,7 +22,9 @@ pub fn mix64(mut z: u64) -> u64 {
 
 /// Combines several integers into one seed.
 pub fn seed_of(parts: &[u64]) -> u64 {
-    parts.iter().fold(0x9e37_79b9_7f4a_7c15, |acc, &p| mix64(acc ^ mix64(p)))
+    parts
+        .iter()
+        .fold(0x9e37_79b9_7f4a_7c15, |acc, &p| mix64(acc ^ mix64(p)))
 }
 
 impl FeistelPermutation {
@@ -31,7 +33,11 @@ impl FeistelPermutation {
         let bits = (64 - n.saturating_sub(1).leading_zeros()).max(2);
         let bits = bits + (bits & 1);
         let keys = [0, 1, 2, 3].map(|r| seed_of(&[key, r]));
-        FeistelPermutation { n, half_bits: bits / 2, keys }
+        FeistelPermutation {
+            n,
+            half_bits: bits / 2,
+            keys,
+        }
     }
 
     fn round_trip(&self, x: u64) -> u64 {
@@ -134,9 +140,19 @@ mod tests {
 
     #[test]
     fn shuffle_changes_with_epoch() {
-        let o = RankOrder { n_frames: 100, rank: 0, world_size: 1, frames_per_block: 100, shuffle: true, seed: 1 };
+        let o = RankOrder {
+            n_frames: 100,
+            rank: 0,
+            world_size: 1,
+            frames_per_block: 100,
+            shuffle: true,
+            seed: 1,
+        };
         assert_ne!(o.block_frames(0, 0), o.block_frames(1, 0));
-        let plain = RankOrder { shuffle: false, ..o };
+        let plain = RankOrder {
+            shuffle: false,
+            ..o
+        };
         assert_eq!(plain.block_frames(3, 0), (0..100).collect::<Vec<_>>());
     }
 }

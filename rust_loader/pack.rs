@@ -60,7 +60,7 @@ pub fn pack_rows(
 /// fits it most tightly. Pieces are at most `width` long.
 fn best_fit(mut pieces: Vec<Piece>, width: usize) -> Vec<Vec<Piece>> {
     // Stable: equal lengths keep their (already shuffled) order.
-    pieces.sort_by(|a, b| b.len.cmp(&a.len));
+    pieces.sort_by_key(|p| std::cmp::Reverse(p.len));
     let mut rows: Vec<Vec<Piece>> = Vec::new();
     // Open rows keyed by (free tokens, row index).
     let mut open: BTreeSet<(u32, u32)> = BTreeSet::new();
@@ -97,7 +97,11 @@ fn concat(src: &BlockDocs, width: usize) -> Vec<Vec<Piece>> {
                 free = width as u32;
             }
             let len = (d.len - start).min(free);
-            rows.last_mut().unwrap().push(Piece { doc: i as u32, start, len });
+            rows.last_mut().unwrap().push(Piece {
+                doc: i as u32,
+                start,
+                len,
+            });
             start += len;
             free -= len;
         }
@@ -121,7 +125,11 @@ impl BucketSpec {
 
     /// Elements a slot needs to hold the largest batch.
     pub fn slot_elems(&self) -> usize {
-        self.lengths.iter().map(|&l| self.rows_per_batch(l) * (l + 1)).max().unwrap_or(0)
+        self.lengths
+            .iter()
+            .map(|&l| self.rows_per_batch(l) * (l + 1))
+            .max()
+            .unwrap_or(0)
     }
 }
 
@@ -138,7 +146,11 @@ pub fn bucket_batches(
     let (pieces, cut) = src.pieces(max_width);
     let mut by_bucket: Vec<Vec<Piece>> = vec![Vec::new(); spec.lengths.len()];
     for p in pieces {
-        let b = spec.lengths.iter().position(|&l| l + 1 >= p.len as usize).unwrap();
+        let b = spec
+            .lengths
+            .iter()
+            .position(|&l| l + 1 >= p.len as usize)
+            .unwrap();
         by_bucket[b].push(p);
     }
     let mut batches = Vec::new();
@@ -155,15 +167,33 @@ pub fn bucket_batches(
     }
     if !carry.is_empty() {
         let len = *spec.lengths.last().unwrap();
-        batches.push(fill_batch(src, &carry, len + 1, spec.rows_per_batch(len), pool));
+        batches.push(fill_batch(
+            src,
+            &carry,
+            len + 1,
+            spec.rows_per_batch(len),
+            pool,
+        ));
     }
     if let Some(rng) = rng {
         batches.shuffle(rng);
     }
-    (batches, PackStats { documents: src.docs.len() as u64, cut_documents: cut })
+    (
+        batches,
+        PackStats {
+            documents: src.docs.len() as u64,
+            cut_documents: cut,
+        },
+    )
 }
 
-fn fill_batch(src: &BlockDocs, pieces: &[Piece], width: usize, rows: usize, pool: &BufferPool) -> Rows {
+fn fill_batch(
+    src: &BlockDocs,
+    pieces: &[Piece],
+    width: usize,
+    rows: usize,
+    pool: &BufferPool,
+) -> Rows {
     let mut out = pool.take_rows(width, rows);
     for p in pieces {
         out.push_row(std::slice::from_ref(p), src);
@@ -188,12 +218,20 @@ mod tests {
         let mut frame = Vec::new();
         let mut docs = Vec::new();
         for (i, &len) in lens.iter().enumerate() {
-            docs.push(DocSpan { frame: 0, start: (frame.len() / 4) as u32, len });
+            docs.push(DocSpan {
+                frame: 0,
+                start: (frame.len() / 4) as u32,
+                len,
+            });
             for k in 0..len {
                 frame.extend((i as u32 * 10_000 + k).to_le_bytes());
             }
         }
-        BlockDocs { dtype: TokenDtype::U32, frames: vec![frame], docs }
+        BlockDocs {
+            dtype: TokenDtype::U32,
+            frames: vec![frame],
+            docs,
+        }
     }
 
     fn all_tokens(src: &BlockDocs) -> Vec<i32> {
@@ -208,7 +246,13 @@ mod tests {
     }
 
     fn delivered(rows: &Rows) -> Vec<i32> {
-        let mut v: Vec<i32> = rows.tokens.iter().zip(&rows.doc_ids).filter(|(_, &d)| d >= 0).map(|(&t, _)| t).collect();
+        let mut v: Vec<i32> = rows
+            .tokens
+            .iter()
+            .zip(&rows.doc_ids)
+            .filter(|(_, &d)| d >= 0)
+            .map(|(&t, _)| t)
+            .collect();
         v.sort_unstable();
         v
     }
@@ -265,7 +309,21 @@ mod tests {
     fn row_metadata_marks_documents() {
         let src = traceable_docs(&[3, 2]);
         let mut rows = Rows::with_capacity(8, 1);
-        rows.push_row(&[Piece { doc: 0, start: 0, len: 3 }, Piece { doc: 1, start: 0, len: 2 }], &src);
+        rows.push_row(
+            &[
+                Piece {
+                    doc: 0,
+                    start: 0,
+                    len: 3,
+                },
+                Piece {
+                    doc: 1,
+                    start: 0,
+                    len: 2,
+                },
+            ],
+            &src,
+        );
         assert_eq!(rows.tokens, vec![0, 1, 2, 10_000, 10_001, 0, 0, 0]);
         assert_eq!(rows.position_ids, vec![0, 1, 2, 0, 1, 0, 0, 0]);
         assert_eq!(rows.doc_ids, vec![0, 0, 0, 1, 1, -1, -1, -1]);

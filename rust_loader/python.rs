@@ -4,7 +4,9 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use pyo3::create_exception;
-use pyo3::exceptions::{PyException, PyFileNotFoundError, PyOSError, PyPermissionError, PyValueError};
+use pyo3::exceptions::{
+    PyException, PyFileNotFoundError, PyOSError, PyPermissionError, PyValueError,
+};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
@@ -16,10 +18,30 @@ use crate::loader::{resume_position, Loader, LoaderConfig, LoaderState, Position
 use crate::pack::{BucketSpec, PackStrategy};
 use crate::shard_writer::ShardWriter;
 
-create_exception!(pytrain._loader, LoaderError, PyException, "Base class of the loader's errors.");
-create_exception!(pytrain._loader, CorruptShardError, LoaderError, "A shard's bytes disagree with its checksums or index.");
-create_exception!(pytrain._loader, ManifestError, LoaderError, "manifest.json is missing, malformed or disagrees with the shards.");
-create_exception!(pytrain._loader, StateError, LoaderError, "A saved loader state does not fit this dataset or configuration.");
+create_exception!(
+    pytrain._loader,
+    LoaderError,
+    PyException,
+    "Base class of the loader's errors."
+);
+create_exception!(
+    pytrain._loader,
+    CorruptShardError,
+    LoaderError,
+    "A shard's bytes disagree with its checksums or index."
+);
+create_exception!(
+    pytrain._loader,
+    ManifestError,
+    LoaderError,
+    "manifest.json is missing, malformed or disagrees with the shards."
+);
+create_exception!(
+    pytrain._loader,
+    StateError,
+    LoaderError,
+    "A saved loader state does not fit this dataset or configuration."
+);
 
 fn to_py(e: Error) -> PyErr {
     let msg = e.to_string();
@@ -46,9 +68,15 @@ fn run<T: Send>(py: Python<'_>, f: impl FnOnce() -> crate::Result<T> + Send) -> 
 
 fn u32s(bytes: &[u8], what: &str) -> PyResult<Vec<u32>> {
     if bytes.len() % 4 != 0 {
-        return Err(PyValueError::new_err(format!("{what}: {} bytes is not a whole number of uint32", bytes.len())));
+        return Err(PyValueError::new_err(format!(
+            "{what}: {} bytes is not a whole number of uint32",
+            bytes.len()
+        )));
     }
-    Ok(bytes.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+    Ok(bytes
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect())
 }
 
 #[pyclass(name = "ShardWriter", module = "pytrain._loader")]
@@ -60,11 +88,20 @@ struct PyShardWriter {
 impl PyShardWriter {
     #[new]
     #[pyo3(signature = (path, dtype, frame_bytes = 2 << 20, level = 3))]
-    fn new(py: Python<'_>, path: PathBuf, dtype: &str, frame_bytes: usize, level: i32) -> PyResult<Self> {
-        let dtype = TokenDtype::from_name(dtype)
-            .ok_or_else(|| PyValueError::new_err(format!("dtype {dtype:?} is not 'uint16' or 'uint32'")))?;
+    fn new(
+        py: Python<'_>,
+        path: PathBuf,
+        dtype: &str,
+        frame_bytes: usize,
+        level: i32,
+    ) -> PyResult<Self> {
+        let dtype = TokenDtype::from_name(dtype).ok_or_else(|| {
+            PyValueError::new_err(format!("dtype {dtype:?} is not 'uint16' or 'uint32'"))
+        })?;
         let w = run(py, || ShardWriter::create(&path, dtype, frame_bytes, level))?;
-        Ok(PyShardWriter { inner: Mutex::new(Some(w)) })
+        Ok(PyShardWriter {
+            inner: Mutex::new(Some(w)),
+        })
     }
 
     /// Appends documents: `tokens` holds little-endian uint32 ids of all documents back
@@ -73,11 +110,15 @@ impl PyShardWriter {
         let tokens = u32s(tokens, "tokens")?;
         let lengths = u32s(lengths, "lengths")?;
         if lengths.iter().map(|&l| l as u64).sum::<u64>() != tokens.len() as u64 {
-            return Err(PyValueError::new_err("lengths do not add up to the number of tokens"));
+            return Err(PyValueError::new_err(
+                "lengths do not add up to the number of tokens",
+            ));
         }
         run(py, || {
             let mut guard = self.inner.lock().unwrap();
-            let w = guard.as_mut().ok_or_else(|| Error::InvalidArgument("writer is finished".into()))?;
+            let w = guard
+                .as_mut()
+                .ok_or_else(|| Error::InvalidArgument("writer is finished".into()))?;
             let mut at = 0usize;
             for &l in &lengths {
                 w.add_document(&tokens[at..at + l as usize])?;
@@ -89,18 +130,31 @@ impl PyShardWriter {
 
     #[getter]
     fn bytes_written(&self) -> u64 {
-        self.inner.lock().unwrap().as_ref().map_or(0, |w| w.bytes_written())
+        self.inner
+            .lock()
+            .unwrap()
+            .as_ref()
+            .map_or(0, |w| w.bytes_written())
     }
 
     #[getter]
     fn documents(&self) -> u64 {
-        self.inner.lock().unwrap().as_ref().map_or(0, |w| w.documents())
+        self.inner
+            .lock()
+            .unwrap()
+            .as_ref()
+            .map_or(0, |w| w.documents())
     }
 
     /// Writes index and footer, syncs, and returns the shard's summary for the manifest.
     fn finish<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = run(py, || {
-            let w = self.inner.lock().unwrap().take().ok_or_else(|| Error::InvalidArgument("writer is finished".into()))?;
+            let w = self
+                .inner
+                .lock()
+                .unwrap()
+                .take()
+                .ok_or_else(|| Error::InvalidArgument("writer is finished".into()))?;
             w.finish()
         })?;
         let d = PyDict::new(py);
@@ -122,7 +176,9 @@ struct PyDataset {
 impl PyDataset {
     #[new]
     fn new(py: Python<'_>, path: PathBuf) -> PyResult<Self> {
-        Ok(PyDataset { inner: Arc::new(run(py, || Dataset::open(&path))?) })
+        Ok(PyDataset {
+            inner: Arc::new(run(py, || Dataset::open(&path))?),
+        })
     }
     #[getter]
     fn n_docs(&self) -> u64 {
@@ -164,17 +220,37 @@ impl PyDataset {
 
     /// Where global frame `frame` lives: (shard file, byte offset, compressed length, tokens).
     fn frame_location(&self, frame: usize) -> PyResult<(String, u64, u64, u64)> {
-        let fr = *self.inner.frames.get(frame).ok_or_else(|| PyValueError::new_err(format!("no frame {frame}")))?;
+        let fr = *self
+            .inner
+            .frames
+            .get(frame)
+            .ok_or_else(|| PyValueError::new_err(format!("no frame {frame}")))?;
         let shard = &self.inner.shards[fr.shard as usize];
         let e = shard.frames()[fr.frame as usize];
-        Ok((shard.name().to_string(), e.offset, e.compressed_len, e.n_tokens))
+        Ok((
+            shard.name().to_string(),
+            e.offset,
+            e.compressed_len,
+            e.n_tokens,
+        ))
     }
 
     /// Decodes global frame `frame`: its tokens (little-endian bytes of the dataset's
     /// dtype) and the lengths of its documents.
-    fn read_frame<'py>(&self, py: Python<'py>, frame: usize) -> PyResult<(Bound<'py, PyBytes>, Vec<u32>)> {
+    fn read_frame<'py>(
+        &self,
+        py: Python<'py>,
+        frame: usize,
+    ) -> PyResult<(Bound<'py, PyBytes>, Vec<u32>)> {
         let ds = self.inner.clone();
-        let docs = run(py, move || crate::block::read_block(&ds, &[frame as u64], &mut crate::block::Decoder::new(), &Default::default()))?;
+        let docs = run(py, move || {
+            crate::block::read_block(
+                &ds,
+                &[frame as u64],
+                &mut crate::block::Decoder::new(),
+                &Default::default(),
+            )
+        })?;
         let lens = docs.docs.iter().map(|d| d.len).collect();
         Ok((PyBytes::new(py, &docs.frames[0]), lens))
     }
@@ -210,24 +286,35 @@ fn state_to_dict<'py>(py: Python<'py>, s: &LoaderState) -> PyResult<Bound<'py, P
 
 fn state_from_dict(d: &Bound<'_, PyDict>) -> PyResult<LoaderState> {
     let get = |k: &str| -> PyResult<Bound<'_, PyAny>> {
-        d.get_item(k)?.ok_or_else(|| StateError::new_err(format!("loader state has no field {k:?}")))
+        d.get_item(k)?
+            .ok_or_else(|| StateError::new_err(format!("loader state has no field {k:?}")))
     };
     let hex = |k: &str| -> PyResult<u64> {
         let s: String = get(k)?.extract()?;
-        u64::from_str_radix(&s, 16).map_err(|_| StateError::new_err(format!("loader state field {k:?} is not hex")))
+        u64::from_str_radix(&s, 16)
+            .map_err(|_| StateError::new_err(format!("loader state field {k:?} is not hex")))
     };
     let version: u32 = get("version")?.extract()?;
     if version != 1 {
-        return Err(StateError::new_err(format!("loader state version {version}, this build reads 1")));
+        return Err(StateError::new_err(format!(
+            "loader state version {version}, this build reads 1"
+        )));
     }
     Ok(LoaderState {
         manifest_hash: hex("manifest_hash")?,
         config_fingerprint: hex("config")?,
         rank: get("rank")?.extract()?,
         world_size: get("world_size")?.extract()?,
-        position: Position { epoch: get("epoch")?.extract()?, block: get("block")?.extract()?, item: get("item")?.extract()? },
+        position: Position {
+            epoch: get("epoch")?.extract()?,
+            block: get("block")?.extract()?,
+            item: get("item")?.extract()?,
+        },
     })
 }
+
+/// (slot, rows, width, epoch, doc_tokens, pad_tokens) of a ready batch.
+type ReadyTuple = (usize, usize, usize, u64, u64, u64);
 
 #[pyclass(name = "Loader", module = "pytrain._loader", frozen)]
 struct PyLoader {
@@ -264,20 +351,47 @@ impl PyLoader {
         let strategy = match strategy {
             "best_fit" => PackStrategy::BestFit,
             "concat" => PackStrategy::Concat,
-            s => return Err(PyValueError::new_err(format!("strategy {s:?} is not 'best_fit' or 'concat'"))),
+            s => {
+                return Err(PyValueError::new_err(format!(
+                    "strategy {s:?} is not 'best_fit' or 'concat'"
+                )))
+            }
         };
         let mode = match mode {
-            "pack" => Mode::Pack { seq_len, batch_size, strategy },
-            "bucket" => Mode::Bucket(BucketSpec { lengths: bucket_lengths, token_budget }),
-            m => return Err(PyValueError::new_err(format!("mode {m:?} is not 'pack' or 'bucket'"))),
+            "pack" => Mode::Pack {
+                seq_len,
+                batch_size,
+                strategy,
+            },
+            "bucket" => Mode::Bucket(BucketSpec {
+                lengths: bucket_lengths,
+                token_budget,
+            }),
+            m => {
+                return Err(PyValueError::new_err(format!(
+                    "mode {m:?} is not 'pack' or 'bucket'"
+                )))
+            }
         };
-        let config = LoaderConfig { mode, seed, shuffle, rank, world_size, frames_per_block, num_epochs, threads, prefetch_blocks };
+        let config = LoaderConfig {
+            mode,
+            seed,
+            shuffle,
+            rank,
+            world_size,
+            frames_per_block,
+            num_epochs,
+            threads,
+            prefetch_blocks,
+        };
         let need = config.slot_elems();
         let mut bufs = Vec::with_capacity(slots.len());
         for (i, slot) in slots.iter().enumerate() {
             let parts: Vec<Bound<'_, PyAny>> = slot.extract()?;
             if parts.len() != 4 {
-                return Err(PyValueError::new_err(format!("slot {i}: need 4 tensors (tokens, position_ids, doc_ids, loss_mask)")));
+                return Err(PyValueError::new_err(format!(
+                    "slot {i}: need 4 tensors (tokens, position_ids, doc_ids, loss_mask)"
+                )));
             }
             let t = tensor_ptr(&parts[0], 4, need, "tokens")?;
             let p = tensor_ptr(&parts[1], 4, need, "position_ids")?;
@@ -288,7 +402,16 @@ impl PyLoader {
             // `need` elements of the right size (checked above); `owner` keeps those
             // tensors alive as long as the slot exists. The Python wrapper creates these
             // tensors itself and never writes to them.
-            bufs.push(unsafe { SlotBuffers::foreign(t as *mut i32, p as *mut i32, d as *mut i32, m as *mut u8, need, owner) });
+            bufs.push(unsafe {
+                SlotBuffers::foreign(
+                    t as *mut i32,
+                    p as *mut i32,
+                    d as *mut i32,
+                    m as *mut u8,
+                    need,
+                    owner,
+                )
+            });
         }
         let ds = dataset.inner.clone();
         let start = match state {
@@ -304,7 +427,7 @@ impl PyLoader {
 
     /// Blocks (without the GIL) until a batch is ready. Returns
     /// (slot, rows, width, epoch, doc_tokens, pad_tokens), or None after the last epoch.
-    fn next(&self, py: Python<'_>) -> PyResult<Option<(usize, usize, usize, u64, u64, u64)>> {
+    fn next(&self, py: Python<'_>) -> PyResult<Option<ReadyTuple>> {
         let b = run(py, || self.inner.next())?;
         Ok(b.map(|b| (b.slot, b.rows, b.width, b.epoch, b.doc_tokens, b.pad_tokens)))
     }

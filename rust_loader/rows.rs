@@ -45,7 +45,11 @@ impl BlockDocs {
             }
             while start < d.len {
                 let len = (d.len - start).min(max_len as u32);
-                out.push(Piece { doc: i as u32, start, len });
+                out.push(Piece {
+                    doc: i as u32,
+                    start,
+                    len,
+                });
                 start += len;
             }
         }
@@ -56,7 +60,10 @@ impl BlockDocs {
         let d = self.docs[p.doc as usize];
         let w = self.dtype.width();
         let from = (d.start + p.start) as usize * w;
-        self.dtype.widen_into(&self.frames[d.frame as usize][from..from + p.len as usize * w], out);
+        self.dtype.widen_into(
+            &self.frames[d.frame as usize][from..from + p.len as usize * w],
+            out,
+        );
     }
 }
 

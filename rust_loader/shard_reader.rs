@@ -7,7 +7,7 @@ use memmap2::Mmap;
 
 use crate::error::{Error, Result};
 use crate::format::{
-    checksum, read_u32, read_u64, FrameEntry, Footer, TokenDtype, FRAME_ENTRY_LEN, FOOTER_LEN,
+    checksum, read_u32, read_u64, Footer, FrameEntry, TokenDtype, FOOTER_LEN, FRAME_ENTRY_LEN,
     INDEX_HEADER_LEN,
 };
 
@@ -41,7 +41,11 @@ impl ShardReader {
         let body_len = (mmap.len() - FOOTER_LEN) as u64;
         let index_end = footer.index_offset.checked_add(footer.index_len);
         if index_end != Some(body_len) || footer.index_len < INDEX_HEADER_LEN as u64 {
-            return Err(Error::corrupt(&name, None, "index location in footer does not match file size"));
+            return Err(Error::corrupt(
+                &name,
+                None,
+                "index location in footer does not match file size",
+            ));
         }
         let index = &mmap[footer.index_offset as usize..body_len as usize];
         if checksum(index) != footer.index_checksum {
@@ -53,7 +57,11 @@ impl ShardReader {
             .checked_add(n_frames.saturating_mul(FRAME_ENTRY_LEN as u64))
             .and_then(|v| v.checked_add(n_docs.saturating_mul(4)));
         if expect != Some(footer.index_len) {
-            return Err(Error::corrupt(&name, None, "index length disagrees with its frame and document counts"));
+            return Err(Error::corrupt(
+                &name,
+                None,
+                "index length disagrees with its frame and document counts",
+            ));
         }
         let frames: Vec<FrameEntry> = (0..n_frames as usize)
             .map(|i| FrameEntry::from_bytes(&index[INDEX_HEADER_LEN + i * FRAME_ENTRY_LEN..]))
@@ -61,17 +69,35 @@ impl ShardReader {
         let mut next_doc = 0u64;
         for (i, f) in frames.iter().enumerate() {
             let end = f.offset.checked_add(f.compressed_len);
-            if end.is_none_or(|e| e > footer.index_offset) || f.first_doc != next_doc || f.n_docs == 0 {
-                return Err(Error::corrupt(&name, Some(i), "frame entry out of bounds or out of order"));
+            if end.is_none_or(|e| e > footer.index_offset)
+                || f.first_doc != next_doc
+                || f.n_docs == 0
+            {
+                return Err(Error::corrupt(
+                    &name,
+                    Some(i),
+                    "frame entry out of bounds or out of order",
+                ));
             }
             next_doc += f.n_docs;
         }
         if next_doc != n_docs {
-            return Err(Error::corrupt(&name, None, "frames do not cover every document"));
+            return Err(Error::corrupt(
+                &name,
+                None,
+                "frames do not cover every document",
+            ));
         }
         let doc_lengths_at =
             footer.index_offset as usize + INDEX_HEADER_LEN + n_frames as usize * FRAME_ENTRY_LEN;
-        Ok(ShardReader { name, mmap, dtype: footer.dtype, frames, doc_lengths_at, n_docs })
+        Ok(ShardReader {
+            name,
+            mmap,
+            dtype: footer.dtype,
+            frames,
+            doc_lengths_at,
+            n_docs,
+        })
     }
 
     pub fn name(&self) -> &str {
@@ -114,11 +140,19 @@ impl ShardReader {
         out: &mut Vec<u8>,
     ) -> Result<()> {
         let f = self.frames.get(i).ok_or_else(|| {
-            Error::corrupt(&self.name, Some(i), format!("shard has only {} frames", self.frames.len()))
+            Error::corrupt(
+                &self.name,
+                Some(i),
+                format!("shard has only {} frames", self.frames.len()),
+            )
         })?;
         let raw = self.raw_frame(i);
         if checksum(raw) != f.checksum {
-            return Err(Error::corrupt(&self.name, Some(i), "frame checksum mismatch"));
+            return Err(Error::corrupt(
+                &self.name,
+                Some(i),
+                "frame checksum mismatch",
+            ));
         }
         let want = f.n_tokens as usize * self.dtype.width();
         out.clear();
@@ -133,23 +167,34 @@ impl ShardReader {
                 format!("decoded {got} bytes, index says {want}"),
             ));
         }
-        let doc_sum: u64 = (0..f.n_docs).map(|d| self.doc_len(f.first_doc + d) as u64).sum();
+        let doc_sum: u64 = (0..f.n_docs)
+            .map(|d| self.doc_len(f.first_doc + d) as u64)
+            .sum();
         if doc_sum != f.n_tokens {
-            return Err(Error::corrupt(&self.name, Some(i), "document lengths do not add up to the frame's tokens"));
+            return Err(Error::corrupt(
+                &self.name,
+                Some(i),
+                "document lengths do not add up to the frame's tokens",
+            ));
         }
         Ok(())
     }
 
     /// Checks the checksum of every frame and the whole file against `file_checksum`.
     pub fn verify(&self, file_checksum: Option<u64>) -> Result<()> {
-        let mut dec = zstd::bulk::Decompressor::new().map_err(|e| Error::corrupt(&self.name, None, e.to_string()))?;
+        let mut dec = zstd::bulk::Decompressor::new()
+            .map_err(|e| Error::corrupt(&self.name, None, e.to_string()))?;
         let mut buf = Vec::new();
         for i in 0..self.frames.len() {
             self.decode_frame(i, &mut dec, &mut buf)?;
         }
         if let Some(want) = file_checksum {
             if checksum(&self.mmap) != want {
-                return Err(Error::corrupt(&self.name, None, "file checksum does not match the manifest"));
+                return Err(Error::corrupt(
+                    &self.name,
+                    None,
+                    "file checksum does not match the manifest",
+                ));
             }
         }
         Ok(())

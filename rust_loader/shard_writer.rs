@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use xxhash_rust::xxh3::Xxh3;
 
 use crate::error::{Error, Result};
-use crate::format::{checksum, FrameEntry, Footer, TokenDtype, INDEX_HEADER_LEN, VERSION};
+use crate::format::{checksum, Footer, FrameEntry, TokenDtype, INDEX_HEADER_LEN, VERSION};
 
 /// What a finished shard holds, for the manifest.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -40,7 +40,9 @@ impl ShardWriter {
     /// Creates `path` (which must not exist yet).
     pub fn create(path: &Path, dtype: TokenDtype, frame_bytes: usize, level: i32) -> Result<Self> {
         if frame_bytes == 0 {
-            return Err(Error::InvalidArgument("frame_bytes must be positive".into()));
+            return Err(Error::InvalidArgument(
+                "frame_bytes must be positive".into(),
+            ));
         }
         let file = File::options()
             .write(true)
@@ -79,7 +81,10 @@ impl ShardWriter {
             return Err(Error::InvalidArgument("empty document".into()));
         }
         let len = u32::try_from(tokens.len()).map_err(|_| {
-            Error::InvalidArgument(format!("document of {} tokens exceeds 2^32-1", tokens.len()))
+            Error::InvalidArgument(format!(
+                "document of {} tokens exceeds 2^32-1",
+                tokens.len()
+            ))
         })?;
         let max = self.dtype.max_token();
         if let Some(&bad) = tokens.iter().find(|&&t| t > max) {
@@ -95,8 +100,12 @@ impl ShardWriter {
             self.flush_frame()?;
         }
         match self.dtype {
-            TokenDtype::U16 => self.pending.extend(tokens.iter().flat_map(|&t| (t as u16).to_le_bytes())),
-            TokenDtype::U32 => self.pending.extend(tokens.iter().flat_map(|&t| t.to_le_bytes())),
+            TokenDtype::U16 => self
+                .pending
+                .extend(tokens.iter().flat_map(|&t| (t as u16).to_le_bytes())),
+            TokenDtype::U32 => self
+                .pending
+                .extend(tokens.iter().flat_map(|&t| t.to_le_bytes())),
         }
         self.pending_docs += 1;
         self.doc_lengths.push(len);
@@ -109,7 +118,9 @@ impl ShardWriter {
 
     fn write_all(&mut self, bytes: &[u8]) -> Result<()> {
         self.file_hash.update(bytes);
-        self.out.write_all(bytes).map_err(|e| Error::io(&self.path, e))?;
+        self.out
+            .write_all(bytes)
+            .map_err(|e| Error::io(&self.path, e))?;
         self.offset += bytes.len() as u64;
         Ok(())
     }
@@ -161,7 +172,10 @@ impl ShardWriter {
         self.write_all(&index)?;
         self.write_all(&footer.to_bytes())?;
         self.out.flush().map_err(|e| Error::io(&self.path, e))?;
-        self.out.get_ref().sync_all().map_err(|e| Error::io(&self.path, e))?;
+        self.out
+            .get_ref()
+            .sync_all()
+            .map_err(|e| Error::io(&self.path, e))?;
         Ok(ShardSummary {
             documents: self.doc_lengths.len() as u64,
             tokens: self.tokens,

@@ -44,7 +44,14 @@ impl Default for SyntheticSpec {
 }
 
 /// Generates document `i`'s tokens into `out`.
-fn document(spec: &SyntheticSpec, i: u64, rng: &mut ChaCha8Rng, lens: &LogNormal<f64>, zipf: &Zipf<f64>, out: &mut Vec<u32>) {
+fn document(
+    spec: &SyntheticSpec,
+    i: u64,
+    rng: &mut ChaCha8Rng,
+    lens: &LogNormal<f64>,
+    zipf: &Zipf<f64>,
+    out: &mut Vec<u32>,
+) {
     let len = (lens.sample(rng) as u32).clamp(1, spec.max_len);
     out.clear();
     if spec.traceable {
@@ -57,10 +64,16 @@ fn document(spec: &SyntheticSpec, i: u64, rng: &mut ChaCha8Rng, lens: &LogNormal
 /// Writes a dataset directory (shards + manifest.json) and returns the token count.
 pub fn write_synthetic(dir: &Path, spec: &SyntheticSpec) -> Result<u64> {
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-    let dtype = if spec.traceable || spec.vocab > 1 << 16 { TokenDtype::U32 } else { TokenDtype::U16 };
+    let dtype = if spec.traceable || spec.vocab > 1 << 16 {
+        TokenDtype::U32
+    } else {
+        TokenDtype::U16
+    };
     let mut rng = ChaCha8Rng::seed_from_u64(spec.seed);
-    let lens = LogNormal::new(spec.mu, spec.sigma).map_err(|e| Error::InvalidArgument(e.to_string()))?;
-    let zipf = Zipf::new(spec.vocab as f64, 1.1).map_err(|e| Error::InvalidArgument(e.to_string()))?;
+    let lens =
+        LogNormal::new(spec.mu, spec.sigma).map_err(|e| Error::InvalidArgument(e.to_string()))?;
+    let zipf =
+        Zipf::new(spec.vocab as f64, 1.1).map_err(|e| Error::InvalidArgument(e.to_string()))?;
     let mut shards = Vec::new();
     let mut doc = Vec::new();
     let mut total = 0;
@@ -87,6 +100,7 @@ pub fn write_synthetic(dir: &Path, spec: &SyntheticSpec) -> Result<u64> {
         "shards": shards, "args": {"synthetic_seed": spec.seed},
     });
     let path = dir.join(MANIFEST);
-    std::fs::write(&path, serde_json::to_vec_pretty(&manifest).unwrap()).map_err(|e| Error::io(&path, e))?;
+    std::fs::write(&path, serde_json::to_vec_pretty(&manifest).unwrap())
+        .map_err(|e| Error::io(&path, e))?;
     Ok(total)
 }

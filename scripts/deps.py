@@ -1,6 +1,6 @@
 """Prints the dependencies listed in pyproject.toml, for `make setup`.
 
-    python scripts/deps.py runtime dev   ->  one requirement per word, shell-quoted
+python scripts/deps.py runtime dev   ->  one requirement per word, shell-quoted
 """
 
 import shlex

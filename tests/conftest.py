@@ -40,12 +40,28 @@ def traceable_docs(lengths) -> list[np.ndarray]:
     return [np.arange(len_, dtype=np.uint32) + i * 10_000 for i, len_ in enumerate(lengths)]
 
 
-def write_synthetic(out: Path, docs: list[np.ndarray], frame_bytes: int = 4096, dtype: str = "uint32") -> Path:
+def write_synthetic(
+    out: Path,
+    docs: list[np.ndarray],
+    frame_bytes: int = 4096,
+    dtype: str = "uint32",
+    vocab: int = 1 << 31,
+) -> Path:
     """Writes `docs` as a dataset (no tokenizer involved), several frames per shard."""
-    info = TokenizerInfo(name="synthetic", sha256="0" * 64, vocab_size=1 << 31, eos_id=None, bos_id=None)
-    opts = PackOptions(tokenizer="synthetic", dtype=dtype, frame_mib=frame_bytes / (1 << 20), shard_mib=frame_bytes * 6 / (1 << 20))
+    info = TokenizerInfo(
+        name="synthetic", sha256="0" * 64, vocab_size=vocab, eos_id=None, bos_id=None
+    )
+    opts = PackOptions(
+        tokenizer="synthetic",
+        dtype=dtype,
+        frame_mib=frame_bytes / (1 << 20),
+        shard_mib=frame_bytes * 6 / (1 << 20),
+    )
     batches = (
-        TokenBatch(ids=np.concatenate(docs[i : i + 50]), lengths=np.array([len(d) for d in docs[i : i + 50]], np.uint32))
+        TokenBatch(
+            ids=np.concatenate(docs[i : i + 50]),
+            lengths=np.array([len(d) for d in docs[i : i + 50]], np.uint32),
+        )
         for i in range(0, len(docs), 50)
     )
     write_dataset(batches, out, info, dtype, opts)
@@ -58,3 +74,26 @@ def synthetic_dataset(tmp_path) -> tuple[Path, list[np.ndarray]]:
     lengths = np.clip(rng.lognormal(4.0, 1.0, size=600).astype(int), 1, 2000)
     docs = traceable_docs(lengths)
     return write_synthetic(tmp_path / "ds", docs), docs
+
+
+def learnable_docs(n: int, vocab: int = 256, seed: int = 0) -> list[np.ndarray]:
+    """Documents a small model can learn: each counts upward by a per-document step."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        start, step, length = rng.integers(0, vocab), rng.integers(1, 4), rng.integers(20, 300)
+        out.append(((start + step * np.arange(length)) % vocab).astype(np.uint32))
+    return out
+
+
+@pytest.fixture(scope="session")
+def small_corpus(tmp_path_factory) -> tuple[Path, Path]:
+    """(train, val) datasets with vocabulary 256, several frames each."""
+    d = tmp_path_factory.mktemp("small")
+    train = write_synthetic(
+        d / "train", learnable_docs(800, seed=1), frame_bytes=8192, dtype="uint16", vocab=256
+    )
+    val = write_synthetic(
+        d / "val", learnable_docs(100, seed=2), frame_bytes=8192, dtype="uint16", vocab=256
+    )
+    return train, val

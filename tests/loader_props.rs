@@ -28,7 +28,13 @@ fn dataset(dir: &Path, docs: u64, seed: u64) -> (Arc<Dataset>, Vec<i32>) {
     let mut all = Vec::new();
     // Every token of the dataset, from the frames themselves.
     for g in 0..ds.n_frames() as u64 {
-        let docs = rust_loader::block::read_block(&ds, &[g], &mut rust_loader::block::Decoder::new(), &Default::default()).unwrap();
+        let docs = rust_loader::block::read_block(
+            &ds,
+            &[g],
+            &mut rust_loader::block::Decoder::new(),
+            &Default::default(),
+        )
+        .unwrap();
         let mut buf = vec![0i32; docs.frames[0].len() / 4];
         docs.dtype.widen_into(&docs.frames[0], &mut buf);
         all.extend(buf);
@@ -53,14 +59,29 @@ fn config(mode: Mode, threads: usize, rank: u64, world: u64, epochs: u64) -> Loa
 
 /// Runs a loader to its end (or `limit` batches): per batch, the delivered tokens and the
 /// full slot contents, plus the state after each batch.
-fn run(ds: &Arc<Dataset>, cfg: &LoaderConfig, start: Position, limit: usize) -> Vec<(Vec<i32>, Vec<i32>, Position)> {
-    let slots = (0..3).map(|_| SlotBuffers::owned(cfg.slot_elems())).collect();
+fn run(
+    ds: &Arc<Dataset>,
+    cfg: &LoaderConfig,
+    start: Position,
+    limit: usize,
+) -> Vec<(Vec<i32>, Vec<i32>, Position)> {
+    let slots = (0..3)
+        .map(|_| SlotBuffers::owned(cfg.slot_elems()))
+        .collect();
     let loader = Loader::new(ds.clone(), cfg.clone(), slots, start).unwrap();
     let mut out = Vec::new();
     while out.len() < limit {
-        let Some(b) = loader.next().unwrap() else { break };
+        let Some(b) = loader.next().unwrap() else {
+            break;
+        };
         let v = loader.view(&b);
-        let real: Vec<i32> = v.tokens.iter().zip(v.doc_ids).filter(|(_, &d)| d >= 0).map(|(&t, _)| t).collect();
+        let real: Vec<i32> = v
+            .tokens
+            .iter()
+            .zip(v.doc_ids)
+            .filter(|(_, &d)| d >= 0)
+            .map(|(&t, _)| t)
+            .collect();
         let mut whole = v.tokens.to_vec();
         whole.extend(v.position_ids);
         whole.extend(v.doc_ids);
@@ -81,9 +102,16 @@ fn modes() -> impl Strategy<Value = Mode> {
         (8usize..300, 1usize..5, any::<bool>()).prop_map(|(s, b, c)| Mode::Pack {
             seq_len: s,
             batch_size: b,
-            strategy: if c { PackStrategy::Concat } else { PackStrategy::BestFit }
+            strategy: if c {
+                PackStrategy::Concat
+            } else {
+                PackStrategy::BestFit
+            }
         }),
-        (16usize..64, 256usize..2048).prop_map(|(l, t)| Mode::Bucket(BucketSpec { lengths: vec![l, 4 * l, 16 * l], token_budget: t })),
+        (16usize..64, 256usize..2048).prop_map(|(l, t)| Mode::Bucket(BucketSpec {
+            lengths: vec![l, 4 * l, 16 * l],
+            token_budget: t
+        })),
     ]
 }
 

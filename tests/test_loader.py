@@ -21,7 +21,10 @@ def take(loader, n=None) -> list[dict]:
     """Copies of up to n batches (all, if None), releasing each slot."""
     out = []
     for b in loader:
-        out.append({k: getattr(b, k).clone() for k in ("tokens", "position_ids", "doc_ids", "loss_mask")} | {"epoch": b.epoch})
+        out.append(
+            {k: getattr(b, k).clone() for k in ("tokens", "position_ids", "doc_ids", "loss_mask")}
+            | {"epoch": b.epoch}
+        )
         b.release()
         if n is not None and len(out) == n:
             break
@@ -30,7 +33,8 @@ def take(loader, n=None) -> list[dict]:
 
 def same(a: list[dict], b: list[dict]) -> bool:
     return len(a) == len(b) and all(
-        all(torch.equal(x[k], y[k]) for k in ("tokens", "position_ids", "doc_ids", "loss_mask")) for x, y in zip(a, b, strict=True)
+        all(torch.equal(x[k], y[k]) for k in ("tokens", "position_ids", "doc_ids", "loss_mask"))
+        for x, y in zip(a, b, strict=True)
     )
 
 
@@ -43,7 +47,9 @@ def all_tokens(docs) -> np.ndarray:
 def test_pack_delivers_every_token_once_per_epoch(synthetic_dataset, strategy, epochs):
     # Batches stream across epoch boundaries (no padding there), so check the multiset.
     path, docs = synthetic_dataset
-    loader = TokenLoader(path, seq_len=127, batch_size=4, num_epochs=epochs, strategy=strategy, frames_per_block=3)
+    loader = TokenLoader(
+        path, seq_len=127, batch_size=4, num_epochs=epochs, strategy=strategy, frames_per_block=3
+    )
     got, rows = [], 0
     for b in loader:
         assert b.tokens.shape == (4, 128)
@@ -75,7 +81,14 @@ def test_row_metadata_matches_documents(synthetic_dataset):
 
 def test_same_batches_for_any_thread_count(synthetic_dataset):
     path, _ = synthetic_dataset
-    runs = [take(TokenLoader(path, seq_len=63, batch_size=3, num_epochs=2, threads=t, frames_per_block=2, slots=s)) for t, s in ((1, 1), (2, 3), (8, 5))]
+    runs = [
+        take(
+            TokenLoader(
+                path, seq_len=63, batch_size=3, num_epochs=2, threads=t, frames_per_block=2, slots=s
+            )
+        )
+        for t, s in ((1, 1), (2, 3), (8, 5))
+    ]
     assert len(runs[0]) > 20
     assert same(runs[0], runs[1]) and same(runs[0], runs[2])
 
@@ -90,7 +103,15 @@ def test_seed_and_epoch_change_the_order(synthetic_dataset):
 @pytest.mark.parametrize("mode", ["pack", "bucket"])
 def test_resume_at_any_batch_gives_the_same_continuation(synthetic_dataset, mode):
     path, _ = synthetic_dataset
-    kw = dict(seq_len=63, batch_size=3, mode=mode, bucket_lengths=(16, 64, 256), token_budget=512, num_epochs=2, frames_per_block=2)
+    kw = dict(
+        seq_len=63,
+        batch_size=3,
+        mode=mode,
+        bucket_lengths=(16, 64, 256),
+        token_budget=512,
+        num_epochs=2,
+        frames_per_block=2,
+    )
     full = take(TokenLoader(path, **kw))
     for k in (0, 1, 7, len(full) // 2, len(full) - 1):
         first = TokenLoader(path, **kw)
@@ -106,7 +127,15 @@ def test_ranks_are_disjoint_and_complete(synthetic_dataset):
     for world in (2, 3, 4):
         seen = []
         for rank in range(world):
-            for b in TokenLoader(path, seq_len=127, batch_size=2, num_epochs=1, rank=rank, world_size=world, frames_per_block=1):
+            for b in TokenLoader(
+                path,
+                seq_len=127,
+                batch_size=2,
+                num_epochs=1,
+                rank=rank,
+                world_size=world,
+                frames_per_block=1,
+            ):
                 seen.append(delivered_tokens(b).astype(np.int64))
                 b.release()
         assert np.array_equal(np.sort(np.concatenate(seen)), all_tokens(docs)), world
@@ -129,7 +158,9 @@ def test_world_size_change_is_refused_mid_epoch_and_allowed_at_epoch_start(synth
 def test_bucket_mode_uses_few_shapes_and_delivers_everything(synthetic_dataset):
     path, docs = synthetic_dataset
     lengths = (32, 128, 512)
-    loader = TokenLoader(path, mode="bucket", bucket_lengths=lengths, token_budget=1024, num_epochs=1)
+    loader = TokenLoader(
+        path, mode="bucket", bucket_lengths=lengths, token_budget=1024, num_epochs=1
+    )
     shapes, got = set(), []
     for b in loader:
         shapes.add(tuple(b.tokens.shape))
@@ -184,7 +215,9 @@ def test_corrupt_frame_names_shard_and_frame(synthetic_dataset):
     data[10] ^= 0xFF
     shard.write_bytes(bytes(data))
     loader = TokenLoader(path, seq_len=63, batch_size=2, shuffle=False, frames_per_block=1)
-    with pytest.raises(CorruptShardError, match=r"shard-00000\.tks frame 0: frame checksum mismatch"):
+    with pytest.raises(
+        CorruptShardError, match=r"shard-00000\.tks frame 0: frame checksum mismatch"
+    ):
         take(loader)
 
 

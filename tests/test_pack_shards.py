@@ -14,16 +14,18 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
+from conftest import stdlib_texts
 from tokenizers import Tokenizer
 
-from conftest import stdlib_texts
 from pytrain import _loader
 from pytrain.shards import read_all_documents, read_manifest
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "pytrain.pack_shards", *args, "--no-progress"] if args[0] not in ("verify", "inspect") else [sys.executable, "-m", "pytrain.pack_shards", *args],
+        [sys.executable, "-m", "pytrain.pack_shards", *args, "--no-progress"]
+        if args[0] not in ("verify", "inspect")
+        else [sys.executable, "-m", "pytrain.pack_shards", *args],
         capture_output=True,
         text=True,
     )
@@ -45,7 +47,17 @@ def corpus(tmp_path_factory) -> Path:
 
 def test_round_trip_matches_tokenizer_and_manifest(corpus, bpe_tokenizer_file, tmp_path):
     out = tmp_path / "ds"
-    r = run_cli(str(corpus), "-o", str(out), "--tokenizer", str(bpe_tokenizer_file), "--frame-mib", "0.25", "--shard-mib", "0.1")
+    r = run_cli(
+        str(corpus),
+        "-o",
+        str(out),
+        "--tokenizer",
+        str(bpe_tokenizer_file),
+        "--frame-mib",
+        "0.25",
+        "--shard-mib",
+        "0.1",
+    )
     assert r.returncode == 0, r.stderr
     tok = Tokenizer.from_file(str(bpe_tokenizer_file))
     eos = tok.token_to_id("<|endoftext|>")
@@ -70,7 +82,17 @@ def test_worker_count_does_not_change_a_byte(corpus, bpe_tokenizer_file, tmp_pat
     outs = []
     for workers in (1, 2):
         out = tmp_path / f"w{workers}"
-        r = run_cli(str(corpus), "-o", str(out), "--tokenizer", str(bpe_tokenizer_file), "--workers", str(workers), "--frame-mib", "0.25")
+        r = run_cli(
+            str(corpus),
+            "-o",
+            str(out),
+            "--tokenizer",
+            str(bpe_tokenizer_file),
+            "--workers",
+            str(workers),
+            "--frame-mib",
+            "0.25",
+        )
         assert r.returncode == 0, r.stderr
         outs.append(out)
     files = sorted(p.name for p in outs[0].iterdir())
@@ -105,7 +127,15 @@ def test_compressed_inputs_and_parquet(tmp_path):
     (tmp_path / "b.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines))
     pq.write_table(pa.table({"body": [r["body"] for r in rows]}), tmp_path / "c.parquet")
     out = tmp_path / "ds"
-    r = run_cli(str(tmp_path / "a.jsonl.gz"), str(tmp_path / "b.jsonl.zst"), str(tmp_path / "c.parquet"), "-o", str(out), "--text-field", "body")
+    r = run_cli(
+        str(tmp_path / "a.jsonl.gz"),
+        str(tmp_path / "b.jsonl.zst"),
+        str(tmp_path / "c.parquet"),
+        "-o",
+        str(out),
+        "--text-field",
+        "body",
+    )
     assert r.returncode == 0, r.stderr
     nonempty = sum(1 for r in rows if r["body"])
     m = read_manifest(out)
@@ -153,9 +183,25 @@ def test_vocab_too_large_for_uint16(tmp_path):
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.save(str(tmp_path / "big.json"))
     (tmp_path / "a.txt").write_text("w1 w69999")
-    r = run_cli(str(tmp_path / "a.txt"), "-o", str(tmp_path / "ds"), "--tokenizer", str(tmp_path / "big.json"), "--dtype", "uint16", "--no-eos")
+    r = run_cli(
+        str(tmp_path / "a.txt"),
+        "-o",
+        str(tmp_path / "ds"),
+        "--tokenizer",
+        str(tmp_path / "big.json"),
+        "--dtype",
+        "uint16",
+        "--no-eos",
+    )
     assert r.returncode == 1 and "does not fit uint16" in r.stderr
-    r = run_cli(str(tmp_path / "a.txt"), "-o", str(tmp_path / "ds"), "--tokenizer", str(tmp_path / "big.json"), "--no-eos")
+    r = run_cli(
+        str(tmp_path / "a.txt"),
+        "-o",
+        str(tmp_path / "ds"),
+        "--tokenizer",
+        str(tmp_path / "big.json"),
+        "--no-eos",
+    )
     assert r.returncode == 0, r.stderr
     assert read_manifest(tmp_path / "ds")["dtype"] == "uint32"
 

@@ -1,0 +1,77 @@
+"""Type stubs for the Rust extension `pytrain._loader` (built by maturin from rust_loader/)."""
+
+from typing import Any
+
+FORMAT_VERSION: int
+
+class LoaderError(Exception):
+    """Base class of the loader's errors."""
+
+class CorruptShardError(LoaderError):
+    """A shard's bytes disagree with its checksums or index (names shard and frame)."""
+
+class ManifestError(LoaderError):
+    """manifest.json is missing fields, malformed, or disagrees with the shards."""
+
+class StateError(LoaderError):
+    """A saved loader state does not fit this dataset or configuration."""
+
+class ShardWriter:
+    def __init__(self, path: str, dtype: str, frame_bytes: int = ..., level: int = ...) -> None: ...
+    def add_documents(self, tokens: bytes, lengths: bytes) -> None:
+        """tokens: little-endian uint32 ids of all documents back to back; lengths: uint32."""
+    @property
+    def bytes_written(self) -> int: ...
+    @property
+    def documents(self) -> int: ...
+    def finish(self) -> dict[str, Any]:
+        """Writes index and footer; returns documents, tokens, frames, bytes, xxh3_64."""
+
+class Dataset:
+    def __init__(self, path: str) -> None: ...
+    @property
+    def n_docs(self) -> int: ...
+    @property
+    def n_tokens(self) -> int: ...
+    @property
+    def n_frames(self) -> int: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def manifest_hash(self) -> str: ...
+    def doc_lengths(self) -> bytes: ...
+    def verify(self) -> None: ...
+    def frame_location(self, frame: int) -> tuple[str, int, int, int]:
+        """(shard file, byte offset, compressed length, tokens) of a global frame."""
+    def read_frame(self, frame: int) -> tuple[bytes, list[int]]:
+        """Decoded tokens (dataset dtype, little-endian) and document lengths of a frame."""
+
+class Loader:
+    def __init__(
+        self,
+        dataset: Dataset,
+        slots: list[tuple[Any, Any, Any, Any]],
+        *,
+        mode: str,
+        seq_len: int,
+        batch_size: int,
+        bucket_lengths: list[int],
+        token_budget: int,
+        strategy: str,
+        seed: int,
+        shuffle: bool,
+        rank: int,
+        world_size: int,
+        frames_per_block: int,
+        num_epochs: int | None,
+        threads: int,
+        prefetch_blocks: int,
+        state: dict[str, Any] | None = None,
+    ) -> None: ...
+    def next(self) -> tuple[int, int, int, int, int, int] | None:
+        """(slot, rows, width, epoch, doc_tokens, pad_tokens), or None after the last epoch."""
+    def release(self, slot: int) -> None: ...
+    def state(self) -> dict[str, Any]: ...
+    def stats(self) -> dict[str, Any]: ...
+    @property
+    def blocks_per_epoch(self) -> int: ...

@@ -1,0 +1,108 @@
+"""One place that decides how the model is compiled, says why, and falls back at run
+time when compilation or a compiled step fails.
+
+Levels, from most to least ambitious: reduce-overhead (CUDA graphs) ->
+max-autotune-no-cudagraphs -> default -> eager. Known-bad combinations are avoided
+up front: CUDA graphs with activation checkpointing (pointer / overwritten-output
+errors), CUDA graphs when batch shapes vary (bucket mode: a graph per shape), and
+compilation on the CPU by default (slow to compile, little gain for small models)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+LEVELS = ["reduce-overhead", "max-autotune-no-cudagraphs", "default", "eager"]
+
+# Messages of failures that a lower compile level avoids.
+COMPILE_FAILURE_MARKERS = (
+    "CUDAGraphs",
+    "cudagraph",
+    "static input data pointer",
+    "overwritten by a subsequent run",
+    "triton",
+    "Triton",
+    "inductor",
+    "Inductor",
+    "dynamo",
+    "Dynamo",
+    "recompile",
+    "autotun",
+    "CUDA error: invalid argument",
+    "InjectedCompileFailure",
+)
+
+
+class InjectedCompileFailure(RuntimeError):
+    """Raised by tests (and the compile matrix script) to exercise the fallback path."""
+
+
+@dataclass
+class CompileDecision:
+    mode: str
+    reason: str
+
+    def line(self) -> str:
+        return f"compile: {self.mode} ({self.reason})"
+
+
+def decide(
+    requested: str,
+    enabled: bool | None,
+    device: torch.device,
+    activation_checkpointing: bool,
+    variable_shapes: bool,
+    distributed: bool,
+) -> CompileDecision:
+    """Chooses the compile level; `requested` is the user's mode ('auto' lets us choose)."""
+    if enabled is False or requested == "eager":
+        return CompileDecision("eager", "compile disabled by configuration")
+    if enabled is None and device.type != "cuda":
+        return CompileDecision("eager", "CPU: compile is off unless --compile is given")
+    if not hasattr(torch, "compile"):
+        return CompileDecision("eager", f"torch {torch.__version__} has no torch.compile")
+    mode = "default" if requested == "auto" else requested
+    if mode not in LEVELS:
+        raise ValueError(f"compile mode {requested!r} is not one of auto, {', '.join(LEVELS)}")
+    if mode == "reduce-overhead":
+        if activation_checkpointing:
+            return CompileDecision(
+                "default",
+                "CUDA graphs with activation checkpointing are known to fail; using default",
+            )
+        if variable_shapes:
+            return CompileDecision(
+                "default", "bucket mode varies shapes; CUDA graphs would record one graph per shape"
+            )
+        if device.type != "cuda":
+            return CompileDecision("default", "CUDA graphs need a CUDA device")
+    why = (
+        "requested"
+        if requested != "auto"
+        else "CUDA default: Inductor without CUDA graphs or autotuning"
+    )
+    if distributed and mode == "default":
+        why += "; DDP graph breaks at bucket boundaries are expected"
+    return CompileDecision(mode, why)
+
+
+def next_level(mode: str) -> str:
+    return LEVELS[min(LEVELS.index(mode) + 1, len(LEVELS) - 1)]
+
+
+def is_compile_failure(e: BaseException) -> bool:
+    """True for errors that a lower compile level can avoid (never for e.g. OOM or NaN)."""
+    if isinstance(e, InjectedCompileFailure):
+        return True
+    mod = type(e).__module__ or ""
+    if mod.startswith(("torch._dynamo", "torch._inductor", "triton")):
+        return True
+    text = f"{type(e).__name__}: {e}"
+    return any(m in text for m in COMPILE_FAILURE_MARKERS)
+
+
+def compile_model(model: torch.nn.Module, mode: str) -> torch.nn.Module:
+    if mode == "eager":
+        return model
+    return torch.compile(model, mode=mode, dynamic=False)

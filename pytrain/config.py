@@ -1,0 +1,243 @@
+"""Training configuration: dataclasses, TOML presets (configs/*.toml) and command-line
+overrides generated from the dataclasses.
+
+Every field is a flag: `--optim.lr 3e-4`, `--model.n_layer 12`, `--data.seq_len 1024`,
+`--max_steps 500`. Booleans take `--compile` / `--no-compile` (argparse's
+BooleanOptionalAction) or an explicit `--compile=false`; a value that is not a boolean
+word is an error, never silently True. This module imports no torch, so the entry point
+can set environment guards before torch is first imported."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from pytrain.model_config import ModelConfig
+
+TRUE_WORDS = {"1", "true", "yes", "on"}
+FALSE_WORDS = {"0", "false", "no", "off"}
+
+
+def parse_bool(text: str) -> bool:
+    t = text.strip().lower()
+    if t in TRUE_WORDS:
+        return True
+    if t in FALSE_WORDS:
+        return False
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is not a boolean (use one of: {', '.join(sorted(TRUE_WORDS | FALSE_WORDS))})"
+    )
+
+
+@dataclass
+class DataConfig:
+    path: str = ""
+    """Training dataset directory; empty builds (once) and uses the embedded default."""
+    val_path: str = ""
+    """Validation dataset directory (the embedded default has its own held-out split)."""
+    mode: str = "pack"
+    """'pack' or 'bucket' (see pytrain.data.LoaderConfig)."""
+    seq_len: int = 256
+    batch_size: int = 16
+    """Rows per micro-batch (pack mode)."""
+    strategy: str = "best_fit"
+    bucket_lengths: list[int] = field(default_factory=lambda: [64, 128, 256])
+    token_budget: int = 4096
+    seed: int = 1234
+    threads: int = 2
+    slots: int = 4
+    frames_per_block: int = 4
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    schedule: str = "cosine"
+    """'cosine', 'linear' or 'constant' after warmup."""
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    grad_accum: int = 1
+    spike_factor: float = 4.0
+    """Skip a step whose loss exceeds this multiple of the running mean (0 disables)."""
+    max_bad_steps: int = 10
+    """Stop after this many skipped steps in a row."""
+
+
+@dataclass
+class CompileConfig:
+    enabled: bool | None = None
+    """None: on for CUDA, off for CPU."""
+    mode: str = "auto"
+    """'auto', 'eager', 'default', 'reduce-overhead', 'max-autotune-no-cudagraphs'."""
+    safe_env: bool = True
+    """Set Inductor/Triton environment guards before torch is imported (see docs/COMPILE.md)."""
+    cache_dir: str = ""
+    """Persistent Inductor cache (TORCHINDUCTOR_CACHE_DIR); empty: under runs/<name>/."""
+
+
+@dataclass
+class TrainConfig:
+    name: str = "default"
+    out_dir: str = "runs"
+    device: str = "auto"
+    """'auto' (cuda if available), 'cpu', 'cuda', 'cuda:N'."""
+    precision: str = "auto"
+    """'auto' (bf16 on GPUs that have it, else fp16 on CUDA, fp32 on CPU), 'bf16', 'fp16', 'fp32'."""
+    max_steps: int = 150
+    halt_after: int = 0
+    """Checkpoint and exit after this many steps in this process (0: run to max_steps);
+    for time-sliced clusters and preemption tests. The schedule still uses max_steps."""
+    time_limit_s: float = 0.0
+    """Stop (and checkpoint) after this many seconds of training; 0: no limit."""
+    eval_every: int = 75
+    eval_batches: int = 10
+    log_every: int = 10
+    ckpt_every: int = 75
+    keep_ckpts: int = 3
+    resume: bool = True
+    """Resume from the latest valid checkpoint in runs/<name>/ if there is one."""
+    activation_checkpointing: str = "off"
+    """'off', 'full', or 'every-N' (every N-th block)."""
+    fsdp: bool = False
+    """Shard parameters with FSDP2 (fully_shard) instead of DDP when distributed."""
+    deterministic: bool = False
+    """torch.use_deterministic_algorithms (for exact-resume checks)."""
+    seed: int = 1337
+    samples: int = 3
+    """Text samples generated at the end."""
+    sample_tokens: int = 80
+    progress: bool = True
+    tensorboard: bool = True
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+
+
+def _flatten(cls, prefix: str = "") -> list[tuple[str, dataclasses.Field, type]]:
+    out = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        t = hints[f.name]
+        if dataclasses.is_dataclass(t):
+            out += _flatten(t, f"{prefix}{f.name}.")
+        else:
+            out.append((prefix + f.name, f, t))
+    return out
+
+
+def _base_type(t):
+    """bool | None -> (bool, True); list[int] -> (list, int)."""
+    origin = typing.get_origin(t)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(t) if a is not type(None)]
+        return args[0], True
+    if origin is list:
+        return list, typing.get_args(t)[0]
+    return t, False
+
+
+ALIASES = {"compile": "compile.enabled"}
+"""Short flags for common settings: `--compile` / `--no-compile`."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m pytrain.train",
+        description="Train a GPT on token shards. Without arguments: the embedded default, on CPU or GPU.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--config", type=Path, default=None, help="TOML preset (configs/*.toml); flags override it"
+    )
+    for key, f, t in _flatten(TrainConfig):
+        base, extra = _base_type(t)
+        doc = (f.metadata or {}).get("help", "")
+        kw: dict = {"dest": key, "default": argparse.SUPPRESS, "help": doc or " "}
+        if base is bool:
+            names = [f"--{key}"] + [f"--{a}" for a, k in ALIASES.items() if k == key]
+            p.add_argument(*names, action=_BoolAction, **kw)
+        elif base is list:
+            p.add_argument(f"--{key}", type=extra, nargs="+", **kw)
+        else:
+            p.add_argument(f"--{key}", type=base, **kw)
+    return p
+
+
+class _BoolAction(argparse.BooleanOptionalAction):
+    """`--flag`, `--no-flag`, or `--flag=VALUE` with VALUE a boolean word (else an error)."""
+
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, **kw)
+        self.nargs = "?"
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if values is not None:
+            if option_string.startswith("--no-"):
+                parser.error(f"{option_string} takes no value")
+            try:
+                setattr(namespace, self.dest, parse_bool(values))
+            except argparse.ArgumentTypeError as e:
+                parser.error(f"argument {option_string}: {e}")
+            return
+        super().__call__(parser, namespace, None, option_string)
+
+
+def _set(cfg, key: str, value) -> None:
+    obj = cfg
+    *path, last = key.split(".")
+    for part in path:
+        obj = getattr(obj, part)
+    if not hasattr(obj, last):
+        raise KeyError(key)
+    setattr(obj, last, value)
+
+
+def apply_toml(cfg: TrainConfig, path: Path) -> None:
+    """Sets every key of a TOML file ([model], [data], ... tables map to the sections)."""
+    data = tomllib.loads(Path(path).read_text())
+    known = {k: t for k, _, t in _flatten(TrainConfig)}
+
+    def walk(d: dict, prefix: str) -> None:
+        for k, v in d.items():
+            key = prefix + k
+            if isinstance(v, dict):
+                walk(v, key + ".")
+                continue
+            if key not in known:
+                raise ValueError(f"{path}: unknown setting {key!r}")
+            base, _ = _base_type(known[key])
+            if base is bool and not isinstance(v, bool):
+                raise ValueError(f"{path}: {key} must be true or false, not {v!r}")
+            _set(cfg, key, float(v) if base is float and isinstance(v, int) else v)
+
+    walk(data, "")
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    args = vars(build_parser().parse_args(argv))
+    cfg = TrainConfig()
+    preset = args.pop("config", None)
+    if preset is not None:
+        apply_toml(cfg, preset)
+    for key, value in args.items():
+        _set(cfg, key, value)
+    return cfg
+
+
+def to_dict(cfg: TrainConfig) -> dict:
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,115 @@
+"""torchrun support: process group set-up, the device of this rank, model wrapping
+(DDP, or FSDP2 `fully_shard` for models that do not fit), and small collectives."""
+
+from __future__ import annotations
+
+import os
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init(device_pref: str) -> tuple[DistInfo, torch.device]:
+    """Reads torchrun's environment; NCCL on CUDA, gloo on CPU."""
+    info = DistInfo(
+        int(os.environ.get("RANK", 0)),
+        int(os.environ.get("WORLD_SIZE", 1)),
+        int(os.environ.get("LOCAL_RANK", 0)),
+    )
+    if device_pref == "auto":
+        device = torch.device(f"cuda:{info.local_rank}" if torch.cuda.is_available() else "cpu")
+    elif device_pref == "cuda":
+        device = torch.device(f"cuda:{info.local_rank}")
+    else:
+        device = torch.device(device_pref)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if info.enabled and not dist.is_initialized():
+        dist.init_process_group(
+            backend="nccl" if device.type == "cuda" else "gloo",
+            device_id=device if device.type == "cuda" else None,
+        )
+    return info, device
+
+
+def wrap(
+    model: torch.nn.Module, info: DistInfo, device: torch.device, fsdp: bool
+) -> torch.nn.Module:
+    if not info.enabled:
+        return model
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.gpt.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        return model
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def no_sync(model: torch.nn.Module, last_micro_step: bool):
+    """Skips the gradient all-reduce on all but the last micro-step of an optimizer step."""
+    if last_micro_step:
+        return nullcontext()
+    if hasattr(model, "no_sync"):  # DDP
+        return model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(False)
+        return _ResyncAfter(model)
+    return nullcontext()
+
+
+class _ResyncAfter:
+    def __init__(self, model):
+        self.model = model
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.model.set_requires_gradient_sync(True)
+
+
+def all_sum(x: float | int, info: DistInfo, device: torch.device) -> float:
+    if not info.enabled:
+        return x
+    t = torch.tensor([float(x)], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return float(t.item())
+
+
+def gather_objects(obj, info: DistInfo) -> list:
+    if not info.enabled:
+        return [obj]
+    out = [None] * info.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def barrier(info: DistInfo) -> None:
+    if info.enabled:
+        dist.barrier()
+
+
+def shutdown(info: DistInfo) -> None:
+    if info.enabled and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,217 @@
+"""A GPT in one file: RMSNorm, rotary positions, SwiGLU (or GELU) MLP, optional tied
+embeddings, attention through `scaled_dot_product_attention` with document masking
+for packed rows, and a loss summed over the tokens the loss mask keeps.
+
+Document masking: a token attends only to earlier tokens of its own document (doc_ids).
+Backends: 'flex' (FlexAttention block mask; CUDA), 'sdpa_mask' (a boolean mask given to
+SDPA; correct everywhere, O(T^2) memory), 'causal' (plain causal attention across
+documents, as nanoGPT does). 'auto' picks flex on CUDA when available, else sdpa_mask."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from pytrain.model_config import ModelConfig
+
+__all__ = ["GPT", "ModelConfig", "document_mask"]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 for stability under bf16/fp16 autocast.
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(
+            x
+        ) * self.weight
+
+
+def rope_tables(head_dim: int, max_len: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, H, T, D); cos/sin: (B, 1, T, D/2), already gathered at the position ids."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
+
+
+def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(B, 1, T, T) boolean: causal and within the same document. Padding (-1) attends
+    to itself only, so no row of the mask is empty (an empty row would give NaN)."""
+    T = doc_ids.shape[-1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+    same = doc_ids[:, :, None] == doc_ids[:, None, :]
+    eye = torch.eye(T, dtype=torch.bool, device=doc_ids.device)
+    return ((causal & same) | eye)[:, None]
+
+
+def flex_available() -> bool:
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.dropout = cfg.dropout
+
+    def forward(self, x, cos, sin, mask) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        p = self.dropout if self.training else 0.0
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        elif isinstance(mask, torch.Tensor):
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+        else:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            y = flex_attention(q, k, v, block_mask=mask)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.swiglu = cfg.mlp == "swiglu"
+        # SwiGLU's three matrices use 2/3 of the hidden width to match GELU's parameters.
+        hidden = int(cfg.mlp_ratio * cfg.d_model * (2 / 3 if self.swiglu else 1))
+        hidden = 64 * math.ceil(hidden / 64)
+        self.up = nn.Linear(cfg.d_model, hidden * (2 if self.swiglu else 1), bias=False)
+        self.down = nn.Linear(hidden, cfg.d_model, bias=False)
+
+    def forward(self, x):
+        if self.swiglu:
+            a, b = self.up(x).chunk(2, dim=-1)
+            return self.down(F.silu(a) * b)
+        return self.down(F.gelu(self.up(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm1 = RMSNorm(cfg.d_model)
+        self.attn = Attention(cfg)
+        self.norm2 = RMSNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, mask):
+        x = x + self.attn(self.norm1(x), cos, sin, mask)
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.d_model % cfg.n_head:
+            raise ValueError(f"d_model {cfg.d_model} is not a multiple of n_head {cfg.n_head}")
+        self.cfg = cfg
+        self.vocab = 64 * math.ceil(cfg.vocab_size / 64)
+        self.embed = nn.Embedding(self.vocab, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, self.vocab, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.embed.weight
+        cos, sin = rope_tables(cfg.d_model // cfg.n_head, cfg.max_seq_len, cfg.rope_base)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.checkpoint_every = 0  # set by set_activation_checkpointing
+        self.apply(self._init)
+        for name, p in self.named_parameters():
+            if name.endswith(("proj.weight", "down.weight")):
+                # GPT-2's scaled init of residual projections.
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear | nn.Embedding):
+            nn.init.normal_(m.weight, std=0.02)
+
+    def set_activation_checkpointing(self, every: int) -> None:
+        """0: off; 1: every block ('full'); N: every N-th block. Non-reentrant."""
+        self.checkpoint_every = every
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.embed.weight.numel() if non_embedding and not self.cfg.tie_embeddings else n
+
+    def attention_backend(self, device: torch.device) -> str:
+        a = self.cfg.attention
+        if a == "auto":
+            return "flex" if device.type == "cuda" and flex_available() else "sdpa_mask"
+        return a
+
+    def make_mask(self, doc_ids: torch.Tensor | None, backend: str):
+        if doc_ids is None or backend == "causal":
+            return None
+        if backend == "sdpa_mask":
+            return document_mask(doc_ids)
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def doc_causal(b, h, q, kv):
+            return (q >= kv) & (doc_ids[b, q] == doc_ids[b, kv])
+
+        B, T = doc_ids.shape
+        return create_block_mask(doc_causal, B, None, T, T, device=doc_ids.device)
+
+    def forward(self, input_ids, position_ids=None, mask=None) -> torch.Tensor:
+        """Logits (B, T, vocab). `mask` comes from make_mask (None: plain causal)."""
+        B, T = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+        pos = position_ids.long()
+        cos, sin = self.rope_cos[pos][:, None], self.rope_sin[pos][:, None]
+        x = self.embed(input_ids)
+        for i, block in enumerate(self.blocks):
+            if self.training and self.checkpoint_every and i % self.checkpoint_every == 0:
+                x = checkpoint(block, x, cos, sin, mask, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, mask)
+        return self.head(self.norm(x))
+
+    def loss_sum(self, input_ids, targets, position_ids, loss_mask, mask) -> torch.Tensor:
+        """Cross-entropy summed over the tokens where loss_mask is true (fp32)."""
+        logits = self(input_ids, position_ids, mask)
+        losses = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")
+        return (losses * loss_mask.flatten()).sum()
+
+    @torch.no_grad()
+    def generate(
+        self,
+        ids: torch.Tensor,
+        n: int,
+        temperature: float = 0.8,
+        top_k: int = 50,
+        stop: int | None = None,
+    ) -> torch.Tensor:
+        """Samples n tokens after `ids` (1, T) (no KV cache: fine for short samples)."""
+        for _ in range(n):
+            ctx = ids[:, -self.cfg.max_seq_len :]
+            logits = self(ctx)[:, -1, : self.cfg.vocab_size].float() / temperature
+            v, _ = torch.topk(logits, min(top_k, logits.shape[-1]))
+            logits[logits < v[:, [-1]]] = -float("inf")
+            nxt = torch.multinomial(F.softmax(logits, dim=-1), 1)
+            ids = torch.cat([ids, nxt], dim=1)
+            if stop is not None and int(nxt) == stop:
+                break
+        return ids

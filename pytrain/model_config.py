@@ -1,0 +1,23 @@
+"""The model's settings, apart from the model so that config parsing needs no torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 4096
+    """Rounded up to a multiple of 64 for fast matmuls; set from the dataset if 0."""
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 256
+    mlp: str = "swiglu"
+    """'swiglu' or 'gelu'."""
+    mlp_ratio: float = 4.0
+    tie_embeddings: bool = True
+    rope_base: float = 10000.0
+    dropout: float = 0.0
+    attention: str = "auto"
+    """'auto', 'flex', 'sdpa_mask' or 'causal' (see the module docstring)."""
+    max_seq_len: int = 4096

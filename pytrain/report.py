@@ -1,0 +1,69 @@
+"""What the user sees at the end of a run: validation loss next to the unigram baseline,
+a few generated samples, and where logs and checkpoints went."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pytrain.shards import read_all_documents
+
+
+def unigram_baseline(train_path, val_path, vocab: int) -> float:
+    """Cross-entropy (nats/token) of the validation tokens under the training set's
+    unigram distribution (add-one smoothed): what a model without context achieves."""
+    train = np.concatenate(read_all_documents(train_path)).astype(np.int64)
+    val = np.concatenate(read_all_documents(val_path)).astype(np.int64)
+    counts = np.bincount(train, minlength=vocab).astype(np.float64) + 1.0
+    logp = np.log(counts / counts.sum())
+    return float(-logp[val].mean())
+
+
+def samples(trainer, n: int, tokens: int) -> list[str]:
+    from tokenizers import Tokenizer
+
+    path = trainer.train_path / "tokenizer.json"
+    if n <= 0 or not path.exists():
+        return []
+    tok = Tokenizer.from_file(str(path))
+    eos = tok.token_to_id("<|endoftext|>")
+    prompts = ["def ", "class ", "import ", '"""', "for ", "    return "][:n]
+    out = []
+    gen = torch.Generator(device=trainer.device).manual_seed(0)
+    torch.manual_seed(0)
+    trainer.gpt.eval()
+    for p in prompts:
+        ids = torch.tensor([tok.encode(p).ids], device=trainer.device)
+        with torch.autocast(
+            trainer.device.type,
+            dtype=trainer.precision.dtype,
+            enabled=trainer.precision.dtype is not None,
+        ):
+            ids = trainer.gpt.generate(ids, tokens, stop=eos)
+        out.append(tok.decode(ids[0].tolist()))
+    del gen
+    return out
+
+
+def final_report(trainer, result: dict, seconds: float) -> None:
+    say = trainer.say
+    val = result["val_loss"]
+    if val is not None and trainer.val_path is not None:
+        base = unigram_baseline(trainer.train_path, trainer.val_path, trainer.gpt.vocab)
+        verdict = "below" if val < base else "NOT below"
+        say(
+            f"validation loss {val:.4f} nats/token vs unigram baseline {base:.4f}: {verdict} the baseline by {base - val:.3f}"
+        )
+        trainer.log.text(f"final val_loss {val:.4f} unigram_baseline {base:.4f}")
+    for i, s in enumerate(samples(trainer, trainer.cfg.samples, trainer.cfg.sample_tokens)):
+        say(f"--- sample {i + 1} ---\n{s}")
+    stats = trainer.loader.stats()
+    pad = stats["pad_tokens"] / max(1, stats["pad_tokens"] + stats["doc_tokens"])
+    say(
+        f"done: {result['step']} steps, {trainer.tokens_seen:,} tokens in {seconds:.0f}s; "
+        f"loader padding {pad:.2%}, data wait {stats['wait_s']:.2f}s; skipped steps {result['skipped']}; "
+        f"compile fallbacks {len(result['fallbacks'])}"
+    )
+    say(f"checkpoints and logs: {trainer.run_dir}/ (train.log, ckpt-*.pt)")
+    if trainer.cfg.tensorboard:
+        say(f"TensorBoard: tensorboard --logdir {trainer.run_dir.parent}")

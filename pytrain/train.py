@@ -1,0 +1,50 @@
+"""`python -m pytrain.train`: train a GPT on token shards.
+
+With no arguments it trains on the embedded default (Python's standard library, built
+once into ~/.cache/pytrain), on the GPU if there is one, else on the CPU, for a few
+minutes; then it evaluates, prints samples, and says where everything went.
+
+    python -m pytrain.train --config configs/gpt2-124m.toml --data.path data/fineweb
+    torchrun --nproc_per_node=8 -m pytrain.train --config configs/gpt2-124m-multi.toml
+
+This module imports no torch until the environment guards are in place."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pytrain.config import parse_args
+
+    cfg = parse_args(argv)
+    if cfg.compile.safe_env:
+        from pytrain.env_guards import apply_safe_env
+
+        cache = cfg.compile.cache_dir or f"{cfg.out_dir}/{cfg.name}/inductor-cache"
+        apply_safe_env(cache)
+    from pytrain.report import final_report
+    from pytrain.trainer import Trainer, TrainingStopped
+
+    t0 = time.perf_counter()
+    trainer = Trainer(cfg)
+    trainer.say(
+        f"device {trainer.device} | precision {trainer.precision.name} | attention {trainer.attention} | "
+        f"params {trainer.gpt.num_params() / 1e6:.2f}M | world {trainer.dist.world_size} | "
+        f"batch {cfg.data.batch_size}x{cfg.data.seq_len}x{cfg.optim.grad_accum} | run dir {trainer.run_dir}"
+    )
+    try:
+        result = trainer.fit()
+    except TrainingStopped as e:
+        trainer.say(f"training stopped: {e}")
+        trainer.close()
+        return 3
+    if trainer.dist.is_main:
+        final_report(trainer, result, time.perf_counter() - t0)
+    trainer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

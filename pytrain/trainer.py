@@ -1,0 +1,520 @@
+"""The training loop: data from TokenLoader (no torch DataLoader), AMP, compile with
+fallback, activation checkpointing, per-token gradient accumulation, guards against
+NaN and loss spikes, atomic checkpoints with exact resume, TensorBoard."""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from pytrain import checkpoint, compile_policy, distributed
+from pytrain.config import TrainConfig, to_dict
+from pytrain.data import DeviceBatch, TokenLoader
+from pytrain.metrics import RunLog, flops_per_token, peak_flops
+from pytrain.model import GPT
+
+
+class TrainingStopped(RuntimeError):
+    """Training cannot go on (for example, too many bad steps in a row)."""
+
+
+class LossModule(nn.Module):
+    """What is compiled and wrapped: GPT plus the summed, masked loss."""
+
+    def __init__(self, gpt: GPT):
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, input_ids, targets, position_ids, loss_mask, mask):
+        return self.gpt.loss_sum(input_ids, targets, position_ids, loss_mask, mask)
+
+
+@dataclass
+class Precision:
+    dtype: torch.dtype | None  # autocast dtype, None for fp32
+    scaler: torch.amp.GradScaler | None
+    name: str
+
+
+def choose_precision(requested: str, device: torch.device) -> Precision:
+    cuda = device.type == "cuda"
+    if requested == "auto":
+        requested = ("bf16" if torch.cuda.is_bf16_supported() else "fp16") if cuda else "fp32"
+    if requested == "fp32":
+        return Precision(None, None, "fp32")
+    if requested == "bf16":
+        return Precision(torch.bfloat16, None, "bf16")
+    if requested == "fp16":
+        return Precision(torch.float16, torch.amp.GradScaler(device.type), "fp16 + GradScaler")
+    raise ValueError(f"precision {requested!r} is not auto, bf16, fp16 or fp32")
+
+
+def checkpoint_every(spec: str, n_layer: int) -> int:
+    if spec == "off":
+        return 0
+    if spec == "full":
+        return 1
+    if spec.startswith("every-") and spec[6:].isdigit() and int(spec[6:]) > 0:
+        return int(spec[6:])
+    raise ValueError(f"activation_checkpointing {spec!r} is not off, full or every-N")
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    o = cfg.optim
+    if step < o.warmup_steps:
+        return o.lr * (step + 1) / o.warmup_steps
+    if o.schedule == "constant":
+        return o.lr
+    frac = min(1.0, (step - o.warmup_steps) / max(1, cfg.max_steps - o.warmup_steps))
+    min_lr = o.lr * o.min_lr_ratio
+    if o.schedule == "linear":
+        return o.lr - (o.lr - min_lr) * frac
+    return min_lr + 0.5 * (o.lr - min_lr) * (1 + math.cos(math.pi * frac))
+
+
+def make_optimizer(gpt: GPT, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices only (not norms); fused on CUDA."""
+    params = [p for p in gpt.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": cfg.optim.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        groups,
+        lr=cfg.optim.lr,
+        betas=(cfg.optim.beta1, cfg.optim.beta2),
+        fused=device.type == "cuda",
+    )
+
+
+@dataclass
+class StepGuard:
+    """Skips steps with a non-finite loss or gradient, or a loss far above its running
+    mean; stops after too many in a row. Its state is saved in checkpoints."""
+
+    spike_factor: float
+    max_bad: int
+    warmup: int
+    ema: float | None = None
+    bad_in_row: int = 0
+    skipped: int = 0
+
+    def check(self, step: int, loss: float, grad_norm: float) -> str | None:
+        """None if the step may be applied, else the reason to skip it."""
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            return f"non-finite loss {loss} or grad norm {grad_norm}"
+        if (
+            self.spike_factor > 0
+            and self.ema is not None
+            and step >= self.warmup
+            and loss > self.spike_factor * self.ema
+        ):
+            return f"loss spike {loss:.3f} > {self.spike_factor} x running mean {self.ema:.3f}"
+        return None
+
+    def record(self, reason: str | None, loss: float) -> None:
+        if reason is None:
+            self.bad_in_row = 0
+            self.ema = loss if self.ema is None else 0.95 * self.ema + 0.05 * loss
+            return
+        self.bad_in_row += 1
+        self.skipped += 1
+        if self.bad_in_row >= self.max_bad:
+            raise TrainingStopped(
+                f"{self.bad_in_row} bad steps in a row (last: {reason}); stopping. Lower the learning rate, "
+                "check the data, or resume from an earlier checkpoint."
+            )
+
+    def state_dict(self) -> dict:
+        return {"ema": self.ema, "bad_in_row": self.bad_in_row, "skipped": self.skipped}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.ema, self.bad_in_row, self.skipped = s["ema"], s["bad_in_row"], s["skipped"]
+
+
+@dataclass
+class StepResult:
+    loss: float
+    """Mean loss per loss token over the whole step (all micro-batches, all ranks)."""
+    grad_norm: float
+    loss_tokens: int
+    tokens: int
+    skipped: str | None = None
+    fallbacks: list[str] = field(default_factory=list)
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, log=print):
+        self.cfg = cfg
+        self.dist, self.device = distributed.init(cfg.device)
+        self.say = log if self.dist.is_main else (lambda *a, **k: None)
+        self.run_dir = Path(cfg.out_dir) / cfg.name
+        self._seed(cfg.seed + self.dist.rank)
+        if cfg.deterministic:
+            torch.use_deterministic_algorithms(True)
+        if self.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = True  # TF32 on Ampere and later
+            torch.backends.cudnn.allow_tf32 = True
+        self.precision = choose_precision(cfg.precision, self.device)
+        self.train_path, self.val_path = self._datasets()
+        self.loader = self._loader(self.train_path)
+        vocab = self.loader.dataset_vocab
+        if cfg.model.vocab_size < vocab:
+            cfg.model.vocab_size = vocab
+        cfg.model.max_seq_len = max(
+            cfg.model.max_seq_len, cfg.data.seq_len, max(cfg.data.bucket_lengths)
+        )
+        self.gpt = GPT(cfg.model).to(self.device)
+        ckpt_every = checkpoint_every(cfg.activation_checkpointing, cfg.model.n_layer)
+        self.gpt.set_activation_checkpointing(ckpt_every)
+        self.attention = self.gpt.attention_backend(self.device)
+        self.module = distributed.wrap(LossModule(self.gpt), self.dist, self.device, cfg.fsdp)
+        self.optimizer = make_optimizer(self.gpt, cfg, self.device)
+        self.guard = StepGuard(
+            cfg.optim.spike_factor, cfg.optim.max_bad_steps, cfg.optim.warmup_steps
+        )
+        decision = compile_policy.decide(
+            cfg.compile.mode,
+            cfg.compile.enabled,
+            self.device,
+            ckpt_every > 0,
+            cfg.data.mode == "bucket",
+            self.dist.enabled,
+        )
+        self.compile_mode = decision.mode
+        self.compile_reason = decision.reason
+        self.step = 0
+        self.tokens_seen = 0
+        self.fallbacks: list[str] = []
+        # (step, mode): raise a compile-like failure there (tests and the compile matrix).
+        self.inject_compile_failure: tuple[int, str] | None = None
+        self._resume()
+        self.compiled = compile_policy.compile_model(self.module, self.compile_mode)
+        self.say(f"compile: {self.compile_mode} ({self.compile_reason})")
+        self.log = RunLog(self.run_dir, self.dist.is_main, cfg.tensorboard)
+        self.flops_token = flops_per_token(
+            self.gpt.num_params(),
+            cfg.model.n_layer,
+            cfg.model.n_head,
+            cfg.model.d_model // cfg.model.n_head,
+            cfg.data.seq_len,
+        )
+        self.peak = peak_flops(self.device)
+
+    # ---- set-up -------------------------------------------------------------------------
+    @staticmethod
+    def _seed(seed: int) -> None:
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+
+    def _datasets(self) -> tuple[Path, Path | None]:
+        d = self.cfg.data
+        if d.path:
+            return Path(d.path), Path(d.val_path) if d.val_path else None
+        from pytrain.corpus import build_default
+
+        if self.dist.is_main:
+            paths = build_default(vocab_size=self.cfg.model.vocab_size, log=self.say)
+        distributed.barrier(self.dist)
+        if not self.dist.is_main:
+            paths = build_default(vocab_size=self.cfg.model.vocab_size, log=self.say)
+        return paths
+
+    def _loader(self, path: Path, eval_mode: bool = False) -> TokenLoader:
+        d = self.cfg.data
+        loader = TokenLoader(
+            path,
+            mode=d.mode,
+            seq_len=d.seq_len,
+            batch_size=d.batch_size,
+            strategy=d.strategy,
+            bucket_lengths=tuple(d.bucket_lengths),
+            token_budget=d.token_budget,
+            seed=d.seed,
+            shuffle=not eval_mode,
+            num_epochs=1 if eval_mode else None,
+            threads=1 if eval_mode else d.threads,
+            slots=2 if eval_mode else d.slots,
+            frames_per_block=d.frames_per_block,
+            rank=0 if eval_mode else self.dist.rank,
+            world_size=1 if eval_mode else self.dist.world_size,
+        )
+        from pytrain.shards import read_manifest
+
+        loader.dataset_vocab = int(read_manifest(path)["tokenizer"]["vocab_size"])
+        return loader
+
+    # ---- checkpoints ----------------------------------------------------------------------
+    def _state(self) -> dict:
+        per_rank = distributed.gather_objects(
+            {"loader": self.loader.state_dict(), "rng": checkpoint.rng_state()}, self.dist
+        )
+        return {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "model": self.gpt.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.precision.scaler.state_dict() if self.precision.scaler else None,
+            "guard": self.guard.state_dict(),
+            "compile_mode": self.compile_mode,
+            "fallbacks": self.fallbacks,
+            "ranks": per_rank,
+            "world_size": self.dist.world_size,
+            "config": to_dict(self.cfg),
+        }
+
+    def save_checkpoint(self) -> None:
+        state = self._state()
+        if self.dist.is_main:
+            path = checkpoint.save(self.run_dir, self.step, state, self.cfg.keep_ckpts)
+            self.log.text(f"checkpoint {path}")
+        distributed.barrier(self.dist)
+
+    def _resume(self) -> None:
+        if not self.cfg.resume:
+            return
+        found = checkpoint.load_latest(self.run_dir)
+        if found is None:
+            return
+        state, path = found
+        self.gpt.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.precision.scaler and state["scaler"]:
+            self.precision.scaler.load_state_dict(state["scaler"])
+        self.guard.load_state_dict(state["guard"])
+        self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+        self.fallbacks = list(state["fallbacks"])
+        if compile_policy.LEVELS.index(state["compile_mode"]) > compile_policy.LEVELS.index(
+            self.compile_mode
+        ):
+            # A level that failed before is not retried.
+            self.compile_mode = state["compile_mode"]
+            self.compile_reason = (
+                "a previous run fell back to it after a failure (see fallbacks in the log)"
+            )
+        ranks = state["ranks"]
+        mine = ranks[self.dist.rank] if len(ranks) == self.dist.world_size else ranks[0]
+        self.loader.load_state_dict(mine["loader"])
+        checkpoint.set_rng_state(mine["rng"])
+        self.say(f"resumed from {path} at step {self.step}")
+
+    # ---- one optimizer step ---------------------------------------------------------------
+    def _fetch(self, n: int) -> tuple[list[DeviceBatch], float]:
+        t0 = time.perf_counter()
+        out = [next(self.loader).to(self.device) for _ in range(n)]
+        return out, time.perf_counter() - t0
+
+    def _micro_loss(self, b: DeviceBatch) -> torch.Tensor:
+        mask = self.gpt.make_mask(b.doc_ids, self.attention)
+        with torch.autocast(
+            self.device.type, dtype=self.precision.dtype, enabled=self.precision.dtype is not None
+        ):
+            if self.inject_compile_failure == (self.step, self.compile_mode):
+                raise compile_policy.InjectedCompileFailure(
+                    f"injected failure at step {self.step} ({self.compile_mode})"
+                )
+            return self.compiled(b.input_ids, b.targets, b.position_ids, b.loss_mask, mask)
+
+    def _forward_backward(self, batches: list[DeviceBatch], denom: float) -> float:
+        """Accumulates gradients of sum(loss) / (loss tokens of the whole step). DDP
+        averages gradients over ranks, so each rank's loss is scaled by the world size."""
+        total = 0.0
+        scale = self.dist.world_size / denom
+        for i, b in enumerate(batches):
+            with distributed.no_sync(self.module, last_micro_step=i == len(batches) - 1):
+                loss_sum = self._micro_loss(b)
+                loss = loss_sum * scale
+                (self.precision.scaler.scale(loss) if self.precision.scaler else loss).backward()
+            total += float(loss_sum.detach())
+        return total
+
+    def train_step(self, batches: list[DeviceBatch]) -> StepResult:
+        local_tokens = sum(int(b.loss_mask.sum()) for b in batches)
+        denom = distributed.all_sum(local_tokens, self.dist, self.device)
+        fallbacks = []
+        while True:
+            self.optimizer.zero_grad(set_to_none=True)
+            try:
+                loss_sum = self._forward_backward(batches, max(denom, 1.0))
+                break
+            except Exception as e:
+                if not compile_policy.is_compile_failure(e) or self.compile_mode == "eager":
+                    raise
+                old, self.compile_mode = (
+                    self.compile_mode,
+                    compile_policy.next_level(self.compile_mode),
+                )
+                note = f"step {self.step}: {old} failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); falling back to {self.compile_mode}"
+                self.say(f"compile fallback: {note}")
+                fallbacks.append(note)
+                self.fallbacks.append(note)
+                self.compiled = compile_policy.compile_model(self.module, self.compile_mode)
+        loss = distributed.all_sum(loss_sum, self.dist, self.device) / max(denom, 1.0)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr_at(self.step, self.cfg)
+        if self.precision.scaler:
+            self.precision.scaler.unscale_(self.optimizer)
+        grad_norm = float(
+            torch.nn.utils.clip_grad_norm_(
+                self.gpt.parameters(), self.cfg.optim.grad_clip or float("inf")
+            )
+        )
+        reason = self.guard.check(self.step, loss, grad_norm)
+        if self.precision.scaler:
+            # The scaler skips steps with inf/NaN gradients itself (and lowers its scale).
+            if reason is None or not math.isfinite(grad_norm):
+                self.precision.scaler.step(self.optimizer)
+            self.precision.scaler.update()
+            if not math.isfinite(grad_norm):
+                reason = None if math.isfinite(loss) else reason
+        elif reason is None:
+            self.optimizer.step()
+        self.guard.record(reason, loss)
+        self.optimizer.zero_grad(set_to_none=True)
+        tokens = sum(b.input_ids.numel() for b in batches) * self.dist.world_size
+        return StepResult(loss, grad_norm, int(denom), tokens, reason, fallbacks)
+
+    # ---- evaluation and the loop ----------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        if self.val_path is None:
+            return None
+        self.gpt.eval()
+        total, count = 0.0, 0
+        loader = self._loader(self.val_path, eval_mode=True)
+        for i, hb in enumerate(loader):
+            if i >= self.cfg.eval_batches:
+                hb.release()
+                break
+            b = hb.to(self.device)
+            with torch.autocast(
+                self.device.type,
+                dtype=self.precision.dtype,
+                enabled=self.precision.dtype is not None,
+            ):
+                total += float(
+                    self.gpt.loss_sum(
+                        b.input_ids,
+                        b.targets,
+                        b.position_ids,
+                        b.loss_mask,
+                        self.gpt.make_mask(b.doc_ids, self.attention),
+                    )
+                )
+            count += int(b.loss_mask.sum())
+        loader.close()
+        self.gpt.train()
+        return total / max(count, 1)
+
+    def fit(self) -> dict:
+        cfg = self.cfg
+        self.gpt.train()
+        bar = self._bar()
+        history: list[float] = []
+        val = None
+        t_start = time.perf_counter()
+        first_step = self.step
+        while self.step < cfg.max_steps:
+            if cfg.halt_after and self.step - first_step >= cfg.halt_after:
+                break
+            t0 = time.perf_counter()
+            batches, wait = self._fetch(cfg.optim.grad_accum)
+            r = self.train_step(batches)
+            for b in batches:
+                b.release_host(wait=True)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            self.tokens_seen += r.tokens
+            self.step += 1
+            history.append(r.loss)
+            self._log_step(r, dt, wait, bar)
+            if cfg.eval_every and self.step % cfg.eval_every == 0:
+                val = self.evaluate()
+                self._log_eval(val)
+            if cfg.ckpt_every and self.step % cfg.ckpt_every == 0:
+                self.save_checkpoint()
+            if cfg.time_limit_s and time.perf_counter() - t_start > cfg.time_limit_s:
+                self.say(f"time limit of {cfg.time_limit_s:.0f}s reached at step {self.step}")
+                break
+        if bar is not None:
+            bar.close()
+        if not (cfg.eval_every and self.step % cfg.eval_every == 0):
+            val = self.evaluate()
+            self._log_eval(val)
+        if not (cfg.ckpt_every and self.step % cfg.ckpt_every == 0):
+            self.save_checkpoint()
+        return {
+            "losses": history,
+            "val_loss": val,
+            "step": self.step,
+            "fallbacks": self.fallbacks,
+            "skipped": self.guard.skipped,
+        }
+
+    def _bar(self):
+        if not (self.cfg.progress and self.dist.is_main):
+            return None
+        from tqdm import tqdm
+
+        return tqdm(
+            total=self.cfg.max_steps,
+            initial=self.step,
+            desc="train",
+            file=sys.stderr,
+            dynamic_ncols=True,
+        )
+
+    def _log_step(self, r: StepResult, dt: float, wait: float, bar) -> None:
+        tok_s = r.tokens / dt
+        mfu = tok_s * self.flops_token / (self.peak * self.dist.world_size) if self.peak else None
+        values = {
+            "train/loss": r.loss,
+            "train/lr": lr_at(self.step - 1, self.cfg),
+            "train/grad_norm": r.grad_norm,
+            "perf/tokens_per_s": tok_s,
+            "perf/step_ms": dt * 1e3,
+            "perf/data_wait_ms": wait * 1e3,
+            "perf/mfu": mfu,
+            "train/skipped_steps": self.guard.skipped,
+            "compile/fallbacks": len(self.fallbacks),
+        }
+        if self.device.type == "cuda":
+            values["perf/gpu_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
+        self.log.scalars(self.step, values)
+        if r.skipped:
+            self.say(f"step {self.step}: skipped ({r.skipped})")
+            self.log.text(f"step {self.step} skipped: {r.skipped}")
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{r.loss:.3f}", tok_s=f"{tok_s:,.0f}", refresh=False)
+        if self.step % self.cfg.log_every == 0 or self.step == 1:
+            line = (
+                f"step {self.step} loss {r.loss:.4f} lr {values['train/lr']:.2e} grad_norm {r.grad_norm:.3f} "
+                f"tok/s {tok_s:,.0f} step_ms {dt * 1e3:.1f} data_wait_ms {wait * 1e3:.2f}"
+                + (f" mfu {mfu:.1%}" if mfu else "")
+            )
+            self.log.text(line)
+
+    def _log_eval(self, val: float | None) -> None:
+        if val is None:
+            return
+        self.log.scalars(self.step, {"val/loss": val})
+        self.log.text(f"step {self.step} val_loss {val:.4f}")
+        self.say(f"step {self.step}: val loss {val:.4f}")
+
+    def close(self) -> None:
+        self.loader.close()
+        self.log.close()
+        distributed.shutdown(self.dist)

@@ -1,0 +1,36 @@
+"""Run by tests/test_ddp.py under torchrun (2 processes, gloo): one accumulated step per
+rank; saves this rank's micro-batches and the all-reduced gradients."""
+
+import sys
+
+import torch
+
+from pytrain.config import parse_args
+from pytrain.trainer import Trainer
+
+out = sys.argv[1]
+cfg = parse_args(sys.argv[2:])
+t = Trainer(cfg)
+batches = [next(t.loader).to("cpu") for _ in range(cfg.optim.grad_accum)]
+n = sum(int(b.loss_mask.sum()) for b in batches)
+from pytrain import distributed  # noqa: E402
+
+denom = distributed.all_sum(n, t.dist, t.device)
+t.optimizer.zero_grad()
+t._forward_backward(batches, denom)
+torch.save(
+    {
+        "batches": [
+            {
+                k: getattr(b, k)
+                for k in ("input_ids", "targets", "position_ids", "doc_ids", "loss_mask")
+            }
+            for b in batches
+        ],
+        "grads": [p.grad for p in t.gpt.parameters()],
+        "denom": denom,
+        "loader_state": t.loader.state_dict(),
+    },
+    f"{out}/rank{t.dist.rank}.pt",
+)
+t.close()

@@ -1,0 +1,97 @@
+"""Configuration: booleans are never silently truthy; presets and overrides."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pytrain.config import TrainConfig, apply_toml, parse_args
+
+CONFIGS = Path(__file__).parent.parent / "configs"
+
+
+@pytest.mark.parametrize(
+    "argv, want",
+    [
+        (["--compile"], True),
+        (["--no-compile"], False),
+        (["--compile=False"], False),
+        (["--compile=false"], False),
+        (["--compile=0"], False),
+        (["--compile=True"], True),
+        (["--compile.enabled=no"], False),
+        ([], None),
+    ],
+)
+def test_boolean_flags(argv, want):
+    assert parse_args(argv).compile.enabled is want
+
+
+@pytest.mark.parametrize("bad", ["--compile=Flase", "--compile=2", "--compile="])
+def test_a_non_boolean_word_is_an_error(bad, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args([bad])
+    assert e.value.code == 2
+    assert "is not a boolean" in capsys.readouterr().err
+
+
+def test_typed_overrides():
+    c = parse_args(
+        [
+            "--optim.lr",
+            "3e-4",
+            "--model.n_layer",
+            "6",
+            "--data.bucket_lengths",
+            "64",
+            "128",
+            "--no-progress",
+        ]
+    )
+    assert (c.optim.lr, c.model.n_layer, c.data.bucket_lengths, c.progress) == (
+        3e-4,
+        6,
+        [64, 128],
+        False,
+    )
+    with pytest.raises(SystemExit):
+        parse_args(["--model.n_layer", "six"])
+
+
+@pytest.mark.parametrize("preset", sorted(CONFIGS.glob("*.toml")), ids=lambda p: p.name)
+def test_presets_load_and_flags_override_them(preset):
+    c = parse_args(["--config", str(preset), "--max_steps", "7"])
+    assert c.max_steps == 7
+    assert isinstance(c.model.n_layer, int) and c.model.d_model % c.model.n_head == 0
+
+
+def test_toml_rejects_unknown_keys_and_non_boolean_values(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[optim]\nlrr = 1.0\n")
+    with pytest.raises(ValueError, match="unknown setting 'optim.lrr'"):
+        apply_toml(TrainConfig(), bad)
+    bad.write_text('[compile]\nenabled = "False"\n')
+    with pytest.raises(ValueError, match="must be true or false"):
+        apply_toml(TrainConfig(), bad)
+
+
+def test_env_guards_are_set_before_torch_is_imported(tmp_path):
+    # The entry point parses flags and sets the guards without importing torch first.
+    code = (
+        "import sys, os\n"
+        "from pytrain.config import parse_args\n"
+        "from pytrain.env_guards import apply_safe_env\n"
+        "cfg = parse_args([])\n"
+        "assert 'torch' not in sys.modules, 'config imported torch'\n"
+        "apply_safe_env(None)\n"
+        "import torch._inductor.config as ic\n"
+        "print(os.environ['TORCHINDUCTOR_MAX_AUTOTUNE'], os.environ['TORCH_COMPILE_DISABLE_CUDAGRAPHS'], ic.max_autotune, ic.coordinate_descent_tuning)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"}
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0", "1", "False", "False"]

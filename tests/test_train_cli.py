@@ -1,0 +1,60 @@
+"""`python -m pytrain.train` end to end: the embedded default (on a small slice of the
+standard library), TensorBoard events, checkpoints, and a resume that continues."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.slow
+def test_embedded_default_trains_logs_checkpoints_and_resumes(tmp_path):
+    env = {
+        **os.environ,
+        "PYTRAIN_CACHE": str(tmp_path / "cache"),
+        "PYTRAIN_DEFAULT_MAX_BYTES": "1500000",
+    }
+    base = [sys.executable, "-m", "pytrain.train", "--out_dir", str(tmp_path / "runs"), "--no-progress",
+            "--model.n_layer", "2", "--model.d_model", "128", "--model.vocab_size", "1024",
+            "--data.seq_len", "128", "--data.batch_size", "8", "--eval_every", "30", "--eval_batches", "3",
+            "--log_every", "5", "--ckpt_every", "30", "--optim.lr", "3e-3", "--optim.warmup_steps", "5", "--samples", "1", "--sample_tokens", "10"]  # fmt: skip
+    r = subprocess.run(
+        [*base, "--max_steps", "60"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    out = r.stdout
+    assert "building the embedded default dataset" in out
+    assert "compile: eager (CPU" in out
+    m = re.search(r"validation loss ([\d.]+) nats/token vs unigram baseline ([\d.]+)", out)
+    assert m, out
+    assert float(m.group(1)) < float(m.group(2))
+    assert "--- sample 1 ---" in out and "tensorboard --logdir" in out
+    run = tmp_path / "runs" / "default"
+    assert list((run / "tb").glob("events.out.tfevents.*"))
+    assert sorted(p.name for p in run.glob("ckpt-*.pt")) == ["ckpt-00000030.pt", "ckpt-00000060.pt"]
+    losses = [
+        float(x) for x in re.findall(r"step \d+ loss ([\d.]+)", (run / "train.log").read_text())
+    ]
+    assert losses[-1] < losses[0] - 1.0
+
+    r = subprocess.run(
+        [*base, "--max_steps", "70"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stdout and "at step 60" in r.stdout
+    assert "building the embedded default dataset" not in r.stdout  # cached
+    assert "done: 70 steps" in r.stdout
