@@ -16,7 +16,8 @@ help: ## list the targets
 $(VENV)/.deps: pyproject.toml scripts/deps.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $$($(PYTHON) scripts/deps.py runtime dev)
+	$(PYTHON) scripts/deps.py runtime dev > $(VENV)/requirements.txt
+	$(PY) -m pip install -q -r $(VENV)/requirements.txt
 	touch $@
 
 $(VENV)/.ext: $(VENV)/.deps $(RUST_SRC)

@@ -75,3 +75,18 @@ class Loader:
     def stats(self) -> dict[str, Any]: ...
     @property
     def blocks_per_epoch(self) -> int: ...
+
+def write_synthetic(
+    path: str,
+    documents: int,
+    *,
+    mu: float = ...,
+    sigma: float = ...,
+    max_len: int = ...,
+    vocab: int = ...,
+    traceable: bool = ...,
+    frame_bytes: int = ...,
+    docs_per_shard: int = ...,
+    seed: int = ...,
+) -> int:
+    """Writes a synthetic dataset (log-normal lengths, Zipf ids); returns its token count."""

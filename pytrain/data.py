@@ -127,6 +127,8 @@ class DeviceBatch:
     epoch: int
     doc_tokens: int
     pad_tokens: int
+    loss_tokens: int = -1
+    """Targets counted by the loss, computed on the host (no device sync to read it)."""
     _pending_release: HostBatch | None = None
     _copy_done: torch.cuda.Event | None = None
 
@@ -142,6 +144,7 @@ class DeviceBatch:
             epoch=b.epoch,
             doc_tokens=b.doc_tokens,
             pad_tokens=b.pad_tokens,
+            loss_tokens=b.loss_tokens,
         )
 
     def release_host(self, wait: bool = False) -> bool:

@@ -328,19 +328,21 @@ class Trainer:
 
     def _forward_backward(self, batches: list[DeviceBatch], denom: float) -> float:
         """Accumulates gradients of sum(loss) / (loss tokens of the whole step). DDP
-        averages gradients over ranks, so each rank's loss is scaled by the world size."""
-        total = 0.0
+        averages gradients over ranks, so each rank's loss is scaled by the world size.
+        The summed loss stays on the device until the end: one sync per step, not per
+        micro-batch."""
+        total = torch.zeros((), device=self.device)
         scale = self.dist.world_size / denom
         for i, b in enumerate(batches):
             with distributed.no_sync(self.module, last_micro_step=i == len(batches) - 1):
                 loss_sum = self._micro_loss(b)
                 loss = loss_sum * scale
                 (self.precision.scaler.scale(loss) if self.precision.scaler else loss).backward()
-            total += float(loss_sum.detach())
-        return total
+            total += loss_sum.detach().float()
+        return float(total)
 
     def train_step(self, batches: list[DeviceBatch]) -> StepResult:
-        local_tokens = sum(int(b.loss_mask.sum()) for b in batches)
+        local_tokens = sum(b.loss_tokens if b.loss_tokens >= 0 else int(b.loss_mask.sum()) for b in batches)
         denom = distributed.all_sum(local_tokens, self.dist, self.device)
         fallbacks = []
         while True:

@@ -458,6 +458,29 @@ impl PyLoader {
     }
 }
 
+/// Writes a synthetic dataset (log-normal lengths, Zipf ids; or traceable ids) for
+/// benchmarks and tests; returns the number of tokens.
+#[pyfunction]
+#[pyo3(signature = (path, documents, *, mu = 6.0, sigma = 1.0, max_len = 32768, vocab = 50257,
+                    traceable = false, frame_bytes = 2 << 20, docs_per_shard = 100_000, seed = 0))]
+#[allow(clippy::too_many_arguments)]
+fn write_synthetic(
+    py: Python<'_>,
+    path: PathBuf,
+    documents: u64,
+    mu: f64,
+    sigma: f64,
+    max_len: u32,
+    vocab: u32,
+    traceable: bool,
+    frame_bytes: usize,
+    docs_per_shard: u64,
+    seed: u64,
+) -> PyResult<u64> {
+    let spec = crate::synthetic::SyntheticSpec { documents, mu, sigma, max_len, vocab, traceable, frame_bytes, docs_per_shard, seed };
+    run(py, || crate::synthetic::write_synthetic(&path, &spec))
+}
+
 #[pymodule]
 #[pyo3(name = "_loader")]
 fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -465,6 +488,7 @@ fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyShardWriter>()?;
     m.add_class::<PyDataset>()?;
     m.add_class::<PyLoader>()?;
+    m.add_function(wrap_pyfunction!(write_synthetic, m)?)?;
     m.add("LoaderError", py.get_type::<LoaderError>())?;
     m.add("CorruptShardError", py.get_type::<CorruptShardError>())?;
     m.add("ManifestError", py.get_type::<ManifestError>())?;

@@ -17,4 +17,4 @@ groups = sys.argv[1:] or ["runtime"]
 reqs = []
 for g in groups:
     reqs += project["dependencies"] if g == "runtime" else project["optional-dependencies"][g]
-print(" ".join(shlex.quote(r) for r in reqs))
+print("\n".join(reqs))
