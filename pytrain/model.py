@@ -155,10 +155,13 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.embed.weight.numel() if non_embedding and not self.cfg.tie_embeddings else n
 
-    def attention_backend(self, device: torch.device) -> str:
+    def attention_backend(self, device: torch.device, compiled: bool) -> str:
+        """FlexAttention is fast only when compiled; uncompiled it materialises scores."""
         a = self.cfg.attention
         if a == "auto":
-            return "flex" if device.type == "cuda" and flex_available() else "sdpa_mask"
+            return "flex" if compiled and device.type == "cuda" and flex_available() else "sdpa_mask"
+        if a not in ("flex", "sdpa_mask", "causal"):
+            raise ValueError(f"attention {a!r} is not auto, flex, sdpa_mask or causal")
         return a
 
     def make_mask(self, doc_ids: torch.Tensor | None, backend: str):

@@ -177,7 +177,6 @@ class Trainer:
         self.gpt = GPT(cfg.model).to(self.device)
         ckpt_every = checkpoint_every(cfg.activation_checkpointing, cfg.model.n_layer)
         self.gpt.set_activation_checkpointing(ckpt_every)
-        self.attention = self.gpt.attention_backend(self.device)
         self.module = distributed.wrap(LossModule(self.gpt), self.dist, self.device, cfg.fsdp)
         self.optimizer = make_optimizer(self.gpt, cfg, self.device)
         self.guard = StepGuard(
@@ -199,6 +198,7 @@ class Trainer:
         # (step, mode): raise a compile-like failure there (tests and the compile matrix).
         self.inject_compile_failure: tuple[int, str] | None = None
         self._resume()
+        self.attention = self.gpt.attention_backend(self.device, compiled=self.compile_mode != "eager")
         self.compiled = compile_policy.compile_model(self.module, self.compile_mode)
         self.say(f"compile: {self.compile_mode} ({self.compile_reason})")
         self.log = RunLog(self.run_dir, self.dist.is_main, cfg.tensorboard)

@@ -1,0 +1,160 @@
+"""Loader throughput per CPU core, delivered as (batch, seq_len+1) tensors in pinned memory
+(plain memory where there is no CUDA), side by side in one run:
+
+  - ours: TokenLoader, pack mode (best-fit), 1 and 2 threads;
+  - nanoGPT-style np.memmap random windows (torch.stack + pin_memory, as nanoGPT's train.py);
+  - torch.utils.data.DataLoader over the same shards (zstandard decode in workers,
+    num_workers=2, pin_memory where CUDA exists).
+
+Per core = tokens / CPU seconds of the process and its children (getrusage), so a loader
+that keeps two cores busy counts both.
+
+    python scripts/bench_loader.py [--docs 100000] [--seq 2048] [--batch 16] [--batches 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import zstandard
+
+from pytrain import _loader
+from pytrain.data import TokenLoader
+
+
+def cpu_seconds() -> float:
+    s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+
+
+def measure(name: str, make_iter, n_batches: int, tokens_per_batch: int) -> dict:
+    t_first = time.perf_counter()
+    c0 = cpu_seconds()
+    it = make_iter()
+    next(it)
+    first = time.perf_counter() - t_first
+    t0, c1 = time.perf_counter(), cpu_seconds()
+    for _ in range(n_batches):
+        next(it)
+    wall = time.perf_counter() - t0
+    del it  # DataLoader workers exit here, so their CPU time is counted below
+    cpu = cpu_seconds() - c1
+    total = cpu_seconds() - c0
+    return {"name": name, "tokens_per_s": n_batches * tokens_per_batch / wall, "per_core": n_batches * tokens_per_batch / max(cpu, 1e-9), "first_batch_s": first, "cpu_s": total}
+
+
+def ours(path: Path, seq: int, batch: int, threads: int, pin: bool):
+    def gen():
+        loader = TokenLoader(path, seq_len=seq, batch_size=batch, threads=threads, slots=4, frames_per_block=4, pin_memory=pin)
+        for b in loader:
+            b.release()
+            yield b
+
+    return gen
+
+
+def flat_tokens(path: Path, out: Path) -> np.memmap:
+    if not out.exists():
+        ds = _loader.Dataset(str(path))
+        with open(out, "wb") as f:
+            for fr in range(ds.n_frames):
+                f.write(ds.read_frame(fr)[0])
+    return np.memmap(out, dtype=np.uint16, mode="r")
+
+
+def memmap_windows(data: np.memmap, seq: int, batch: int, pin: bool):
+    def gen():
+        rng = np.random.default_rng(0)
+        while True:
+            ix = rng.integers(0, len(data) - seq - 1, batch)
+            x = torch.stack([torch.from_numpy(data[i : i + seq + 1].astype(np.int64)) for i in ix])
+            yield x.pin_memory() if pin else x
+
+    return gen
+
+
+class ShardWindows(torch.utils.data.IterableDataset):
+    """What a hand-written loader over the same shards does: decode frames with
+    zstandard in worker processes and cut the token stream into windows."""
+
+    def __init__(self, path: Path, seq: int):
+        self.path, self.seq = str(path), seq
+
+    def __iter__(self):
+        ds = _loader.Dataset(self.path)
+        info = torch.utils.data.get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info else (0, 1)
+        dctx = zstandard.ZstdDecompressor()
+        buf = np.zeros(0, dtype=np.int64)
+        files: dict[str, bytes] = {}
+        for fr in range(wid, ds.n_frames, nw):
+            shard, off, length, _ = ds.frame_location(fr)
+            if shard not in files:
+                files[shard] = Path(self.path, shard).read_bytes()
+            toks = np.frombuffer(dctx.decompress(files[shard][off : off + length]), dtype="<u2").astype(np.int64)
+            buf = np.concatenate([buf, toks])
+            while len(buf) >= self.seq + 1:
+                yield torch.from_numpy(buf[: self.seq + 1].copy())
+                buf = buf[self.seq + 1 :]
+
+
+def dataloader(path: Path, seq: int, batch: int, pin: bool):
+    def gen():
+        dl = torch.utils.data.DataLoader(ShardWindows(path, seq), batch_size=batch, num_workers=2, pin_memory=pin)
+        yield from dl
+
+    return gen
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--docs", type=int, default=100_000)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--batches", type=int, default=200)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "pytrain-bench-loader")
+    args = p.parse_args()
+    pin = torch.cuda.is_available()
+    path = args.work / f"synthetic-{args.docs}"
+    if not (path / "manifest.json").exists():
+        _loader.write_synthetic(str(path), args.docs, mu=6.0, sigma=1.0, vocab=50257, seed=0)
+    data = flat_tokens(path, args.work / f"synthetic-{args.docs}.bin")
+    tpb = args.batch * (args.seq + 1)
+    runs = {
+        "ours pack (1 thread)": ours(path, args.seq, args.batch, 1, pin),
+        "ours pack (2 threads)": ours(path, args.seq, args.batch, 2, pin),
+        "np.memmap windows (nanoGPT)": memmap_windows(data, args.seq, args.batch, pin),
+        "DataLoader over shards (2 workers)": dataloader(path, args.seq, args.batch, pin),
+    }
+    results: dict[str, list[dict]] = {k: [] for k in runs}
+    for _ in range(args.repeats):
+        for name, make in runs.items():
+            results[name].append(measure(name, make, args.batches, tpb))
+    import os
+
+    print(f"\n{len(data):,} tokens; batch {args.batch} x {args.seq + 1}; pinned {pin}; {os.cpu_count()} cores; {args.repeats} repeats (min / median)")
+    print("| loader | M tokens/s | M tokens/s per core | first batch s |")
+    print("|---|---|---|---|")
+    best_baseline = 0.0
+    for name, rs in results.items():
+        pc = sorted(r["per_core"] for r in rs)
+        ts = sorted(r["tokens_per_s"] for r in rs)
+        fb = sorted(r["first_batch_s"] for r in rs)
+        if not name.startswith("ours"):
+            best_baseline = max(best_baseline, pc[len(pc) // 2])
+        print(f"| {name} | {ts[0] / 1e6:.1f} / {ts[len(ts) // 2] / 1e6:.1f} | {pc[0] / 1e6:.1f} / {pc[len(pc) // 2] / 1e6:.1f} | {fb[len(fb) // 2]:.3f} |")
+    ours_pc = max(sorted(r["per_core"] for r in results[k])[len(results[k]) // 2] for k in results if k.startswith("ours"))
+    print(f"ours per core / best baseline per core: {ours_pc / best_baseline:.1f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""Trainer throughput on one GPU: the GPT-2 124M preset (bf16, compiled) against
+nanoGPT's bench.py at the same model size and batch, in one run.
+
+    python scripts/bench_train_gpu.py --nanogpt PATH_TO_NANOGPT [--steps 300] [--batch 12]
+
+Both see synthetic token ids (ours through the real loader from a synthetic dataset on
+disk, nanoGPT's bench from torch.randint on the device). Tokens/s is batch x seq_len per
+optimizer step, the median over the steps after warm-up. Prints a table last."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def synthetic_dataset(path: Path, docs: int) -> Path:
+    from pytrain import _loader
+
+    if not (path / "manifest.json").exists():
+        t0 = time.perf_counter()
+        n = _loader.write_synthetic(str(path), docs, mu=6.5, sigma=1.0, vocab=50257, seed=0)
+        print(f"synthetic dataset: {n:,} tokens in {time.perf_counter() - t0:.1f}s", flush=True)
+    return path
+
+
+def run_ours(data: Path, out: Path, steps: int, batch: int, attention: str, compile_mode: str, extra: list[str]) -> dict:
+    name = f"ours-{attention}-{compile_mode}"
+    cmd = [
+        sys.executable, "-m", "pytrain.train", "--config", str(ROOT / "configs/gpt2-124m.toml"),
+        "--data.path", str(data), "--out_dir", str(out), "--name", name, "--no-resume",
+        "--max_steps", str(steps), "--optim.grad_accum", "1", "--data.batch_size", str(batch),
+        "--eval_every", "0", "--ckpt_every", "0", "--log_every", "1", "--samples", "0", "--no-progress",
+        "--model.attention", attention, "--compile.mode", compile_mode, *extra,
+    ]  # fmt: skip
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if r.returncode != 0:
+        print(r.stdout[-3000:], r.stderr[-5000:], file=sys.stderr)
+        return {"name": name, "error": r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"rc {r.returncode}"}
+    log = (out / name / "train.log").read_text()
+    rows = [(int(s), float(t.replace(",", "")), float(w), float(ms)) for s, t, ms, w in re.findall(r"step (\d+) loss \S+ lr \S+ grad_norm \S+ tok/s ([\d,]+) step_ms ([\d.]+) data_wait_ms ([\d.]+)", log)]
+    steady = [r for r in rows if r[0] > min(50, steps // 3)]
+    mfu = re.findall(r"mfu ([\d.]+)%", log)
+    return {
+        "name": name,
+        "tokens_per_s": statistics.median(t for _, t, _, _ in steady),
+        "step_ms": statistics.median(ms for *_, ms in steady),
+        "data_wait_ms": statistics.median(w for _, _, w, _ in steady),
+        "mfu": float(mfu[-1]) / 100 if mfu else None,
+        "wall_s": wall,
+        "compile_line": next((line for line in r.stdout.splitlines() if line.startswith("compile:")), ""),
+    }
+
+
+def run_nanogpt(peer: Path, batch: int) -> dict:
+    cmd = [sys.executable, "bench.py", "--real_data=False", f"--batch_size={batch}", "--compile=True"]
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=peer)
+    wall = time.perf_counter() - t0
+    m = re.search(r"time per iteration: ([\d.]+)ms, MFU: ([\d.]+)%", r.stdout)
+    if r.returncode != 0 or not m:
+        print(r.stdout[-3000:], r.stderr[-5000:], file=sys.stderr)
+        return {"name": "nanoGPT bench.py", "error": "failed"}
+    ms = float(m.group(1))
+    return {"name": "nanoGPT bench.py", "tokens_per_s": batch * 1024 / (ms / 1e3), "step_ms": ms, "wall_s": wall, "nanogpt_mfu_a100_peak": float(m.group(2)) / 100}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nanogpt", type=Path, required=True, help="path to a checkout of karpathy/nanoGPT")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch", type=int, default=12)
+    p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "pytrain-bench")
+    p.add_argument("--variants", default="causal:default,flex:default", help="attention:compile_mode pairs")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    import torch
+
+    env = f"torch {torch.__version__}, {torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'}"
+    print(env, flush=True)
+    data = synthetic_dataset(args.work / "synthetic-50k", 40_000)
+    results = []
+    for v in args.variants.split(","):
+        attention, mode = v.split(":")
+        results.append(run_ours(data, args.work / "runs", args.steps, args.batch, attention, mode, []))
+        print(json.dumps(results[-1]), flush=True)
+    results.append(run_nanogpt(args.nanogpt, args.batch))
+    print(json.dumps(results[-1]), flush=True)
+    base = results[-1].get("tokens_per_s")
+    if args.json:
+        args.json.write_text(json.dumps({"env": env, "results": results}, indent=1))
+    print(f"\n| run ({env}) | tokens/s | step ms | data wait ms | MFU (989 TF peak) | vs nanoGPT |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        if "error" in r:
+            print(f"| {r['name']} | failed: {r['error']} | | | | |")
+            continue
+        ratio = f"{r['tokens_per_s'] / base:.3f}x" if base else "-"
+        mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "-"
+        print(f"| {r['name']} | {r['tokens_per_s']:,.0f} | {r['step_ms']:.1f} | {r.get('data_wait_ms', float('nan')):.2f} | {mfu} | {ratio} |")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
