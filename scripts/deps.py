@@ -3,7 +3,6 @@
 python scripts/deps.py runtime dev   ->  one requirement per word, shell-quoted
 """
 
-import shlex
 import sys
 from pathlib import Path
 
