@@ -11,7 +11,7 @@ use rust_loader::block::{read_block, Decoder, Mode};
 use rust_loader::dataset::Dataset;
 use rust_loader::loader::{Loader, LoaderConfig, Position, SlotBuffers};
 use rust_loader::pack::{bucket_batches, pack_rows, BucketSpec, PackStrategy};
-use rust_loader::rows::BufferPool;
+use rust_loader::rows::{BufferPool, RowPlan, RowSlicesMut, Rows};
 use rust_loader::synthetic::{write_synthetic, SyntheticSpec};
 
 fn data() -> Arc<Dataset> {
@@ -39,24 +39,42 @@ fn block_ops(c: &mut Criterion) {
     g.throughput(Throughput::Elements(tokens));
     g.bench_function("decode_4_frames", |b| {
         let mut dec = Decoder::new();
-        b.iter(|| read_block(&ds, &frames, &mut dec, &pool).unwrap())
+        b.iter(|| pool.give_frames(read_block(&ds, &frames, &mut dec, &pool).unwrap().frames))
     });
+    // Planning plus writing every row into slot-sized arrays: the loader's whole
+    // per-token work after decoding.
+    let mut out = Rows::default();
+    let mut write_all = |plan: &RowPlan| {
+        let n = plan.n_rows() * plan.width;
+        for v in [&mut out.tokens, &mut out.position_ids, &mut out.doc_ids] {
+            v.resize(n, 0);
+        }
+        out.loss_mask.resize(n, 0);
+        let mut dst = RowSlicesMut {
+            tokens: &mut out.tokens,
+            position_ids: &mut out.position_ids,
+            doc_ids: &mut out.doc_ids,
+            loss_mask: &mut out.loss_mask,
+        };
+        for r in 0..plan.n_rows() {
+            plan.write_row(r, &docs, &mut dst, r);
+        }
+    };
     g.bench_function("pack_best_fit_2048", |b| {
         b.iter(|| {
-            pool.give_rows(
-                pack_rows(
+            write_all(
+                &pack_rows(
                     &docs,
                     2049,
                     PackStrategy::BestFit,
                     Some(&mut ChaCha8Rng::seed_from_u64(0)),
-                    &pool,
                 )
                 .0,
             )
         })
     });
     g.bench_function("pack_concat_2048", |b| {
-        b.iter(|| pool.give_rows(pack_rows(&docs, 2049, PackStrategy::Concat, None, &pool).0))
+        b.iter(|| write_all(&pack_rows(&docs, 2049, PackStrategy::Concat, None).0))
     });
     let spec = BucketSpec {
         lengths: vec![128, 256, 512, 1024, 2048],
@@ -64,9 +82,8 @@ fn block_ops(c: &mut Criterion) {
     };
     g.bench_function("bucket_5_lengths", |b| {
         b.iter(|| {
-            for r in bucket_batches(&docs, &spec, Some(&mut ChaCha8Rng::seed_from_u64(0)), &pool).0
-            {
-                pool.give_rows(r)
+            for plan in bucket_batches(&docs, &spec, Some(&mut ChaCha8Rng::seed_from_u64(0))).0 {
+                write_all(&plan);
             }
         })
     });

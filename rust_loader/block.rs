@@ -8,7 +8,7 @@ use crate::dataset::Dataset;
 use crate::error::Result;
 use crate::order::RankOrder;
 use crate::pack::{bucket_batches, pack_rows, BucketSpec, PackStats, PackStrategy};
-use crate::rows::{BlockDocs, BufferPool, DocSpan, Rows};
+use crate::rows::{BlockDocs, BufferPool, DocSpan, RowPlan};
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Mode {
@@ -22,34 +22,35 @@ pub enum Mode {
     Bucket(BucketSpec),
 }
 
-/// What one block yields: rows to be grouped into batches (pack) or whole batches (bucket).
+/// What one block yields: planned rows to be grouped into batches (pack) or whole
+/// planned batches (bucket). The tokens stay in `docs` until the assembler writes them.
 pub enum BlockOutput {
-    Rows(Rows),
-    Batches(Vec<Rows>),
+    Rows(RowPlan),
+    Batches(Vec<RowPlan>),
 }
 
 impl BlockOutput {
-    /// Hands the buffers back for the next block.
-    pub fn recycle(self, pool: &BufferPool) {
-        match self {
-            BlockOutput::Rows(r) => pool.give_rows(r),
-            BlockOutput::Batches(b) => b.into_iter().for_each(|r| pool.give_rows(r)),
-        }
-    }
-
     /// Items are rows in pack mode and batches in bucket mode; the loader's position
     /// inside a block counts items.
     pub fn n_items(&self) -> usize {
         match self {
-            BlockOutput::Rows(r) => r.n_rows,
+            BlockOutput::Rows(r) => r.n_rows(),
             BlockOutput::Batches(b) => b.len(),
         }
     }
 }
 
 pub struct Block {
+    pub docs: BlockDocs,
     pub output: BlockOutput,
     pub stats: PackStats,
+}
+
+impl Block {
+    /// Hands the decoded frames back for the next block.
+    pub fn recycle(self, pool: &BufferPool) {
+        pool.give_frames(self.docs.frames);
+    }
 }
 
 /// Reusable per-thread decoding state.
@@ -123,14 +124,17 @@ pub fn make_block(
         Mode::Pack {
             seq_len, strategy, ..
         } => {
-            let (rows, stats) = pack_rows(&docs, seq_len + 1, *strategy, rng, pool);
+            let (rows, stats) = pack_rows(&docs, seq_len + 1, *strategy, rng);
             (BlockOutput::Rows(rows), stats)
         }
         Mode::Bucket(spec) => {
-            let (batches, stats) = bucket_batches(&docs, spec, rng, pool);
+            let (batches, stats) = bucket_batches(&docs, spec, rng);
             (BlockOutput::Batches(batches), stats)
         }
     };
-    pool.give_frames(docs.frames);
-    Ok(Block { output, stats })
+    Ok(Block {
+        docs,
+        output,
+        stats,
+    })
 }

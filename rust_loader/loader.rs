@@ -19,7 +19,7 @@ use crate::dataset::Dataset;
 use crate::error::{Error, Result};
 use crate::order::{seed_of, RankOrder};
 use crate::pack::PackStrategy;
-use crate::rows::{BufferPool, RowSlicesMut, Rows, PAD_TOKEN};
+use crate::rows::{write_padding, BlockDocs, BufferPool, RowPlan, RowSlicesMut};
 
 #[derive(Clone, Debug)]
 pub struct LoaderConfig {
@@ -654,7 +654,7 @@ fn assembler(
                         filling = Some(Filling::new(slot, rows.width, batch_size, here.epoch));
                     }
                     let f = filling.as_mut().unwrap();
-                    f.push(slots, rows, r);
+                    f.push(slots, rows, r, &block.docs);
                     if f.rows == batch_size {
                         let _ = ready_tx.send(Message::Batch(
                             filling.take().unwrap().finish(slots, after(r)),
@@ -665,15 +665,15 @@ fn assembler(
             BlockOutput::Batches(batches) => {
                 for (i, b) in batches.iter().enumerate().skip(skip) {
                     let Some(slot) = acquire() else { return };
-                    let mut f = Filling::new(slot, b.width, b.n_rows, here.epoch);
-                    for r in 0..b.n_rows {
-                        f.push(slots, b, r);
+                    let mut f = Filling::new(slot, b.width, b.n_rows(), here.epoch);
+                    for r in 0..b.n_rows() {
+                        f.push(slots, b, r, &block.docs);
                     }
                     let _ = ready_tx.send(Message::Batch(f.finish(slots, after(i))));
                 }
             }
         }
-        block.output.recycle(&sh.pool);
+        block.recycle(&sh.pool);
         seq += 1;
     }
 }
@@ -702,17 +702,15 @@ impl Filling {
         }
     }
 
-    fn push(&mut self, slots: &[SlotBuffers], src: &Rows, r: usize) {
+    /// Writes planned row `r` (tokens from `docs`) as the slot's next row.
+    fn push(&mut self, slots: &[SlotBuffers], plan: &RowPlan, r: usize, docs: &BlockDocs) {
         // SAFETY: the assembler took this slot from the free channel, so it has exclusive
         // access until it sends the slot to the consumer.
-        let dst = unsafe { slots[self.slot].slices_mut() };
-        src.copy_row_to(r, dst, self.rows);
-        let real = src.doc_ids[r * src.width..(r + 1) * src.width]
-            .iter()
-            .filter(|&&d| d >= 0)
-            .count() as u64;
+        let mut dst = unsafe { slots[self.slot].slices_mut() };
+        plan.write_row(r, docs, &mut dst, self.rows);
+        let real = plan.row_tokens(r);
         self.doc_tokens += real;
-        self.pad_tokens += src.width as u64 - real;
+        self.pad_tokens += plan.width as u64 - real;
         self.rows += 1;
     }
 
@@ -720,12 +718,9 @@ impl Filling {
     fn finish(mut self, slots: &[SlotBuffers], position_after: Position) -> ReadyBatch {
         if self.rows < self.capacity_rows {
             // SAFETY: as in `push`.
-            let dst = unsafe { slots[self.slot].slices_mut() };
+            let mut dst = unsafe { slots[self.slot].slices_mut() };
             let (a, b) = (self.rows * self.width, self.capacity_rows * self.width);
-            dst.tokens[a..b].fill(PAD_TOKEN);
-            dst.position_ids[a..b].fill(0);
-            dst.doc_ids[a..b].fill(-1);
-            dst.loss_mask[a..b].fill(0);
+            write_padding(&mut dst, a, b);
             self.pad_tokens += (b - a) as u64;
         }
         ReadyBatch {

@@ -5,7 +5,7 @@ use std::collections::BTreeSet;
 use rand::seq::SliceRandom;
 use rand_chacha::ChaCha8Rng;
 
-use crate::rows::{BlockDocs, BufferPool, Piece, Rows};
+use crate::rows::{BlockDocs, Piece, RowPlan};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PackStrategy {
@@ -23,14 +23,13 @@ pub struct PackStats {
     pub cut_documents: u64,
 }
 
-/// Packs all documents of a block into rows of `width` tokens, then shuffles the rows.
+/// Plans all documents of a block into rows of `width` tokens, then shuffles the rows.
 pub fn pack_rows(
     src: &BlockDocs,
     width: usize,
     strategy: PackStrategy,
     rng: Option<&mut ChaCha8Rng>,
-    pool: &BufferPool,
-) -> (Rows, PackStats) {
+) -> (RowPlan, PackStats) {
     let mut rows = match strategy {
         PackStrategy::BestFit => {
             let (pieces, _) = src.pieces(width);
@@ -41,9 +40,9 @@ pub fn pack_rows(
     if let Some(rng) = rng {
         rows.shuffle(rng);
     }
-    let mut out = pool.take_rows(width, rows.len());
+    let mut out = RowPlan::new(width);
     for row in &rows {
-        out.push_row(row, src);
+        out.push_row(row);
     }
     let mut pieces_of_doc = vec![0u32; src.docs.len()];
     for p in rows.iter().flatten() {
@@ -140,8 +139,7 @@ pub fn bucket_batches(
     src: &BlockDocs,
     spec: &BucketSpec,
     rng: Option<&mut ChaCha8Rng>,
-    pool: &BufferPool,
-) -> (Vec<Rows>, PackStats) {
+) -> (Vec<RowPlan>, PackStats) {
     let max_width = spec.lengths.last().unwrap() + 1;
     let (pieces, cut) = src.pieces(max_width);
     let mut by_bucket: Vec<Vec<Piece>> = vec![Vec::new(); spec.lengths.len()];
@@ -162,18 +160,12 @@ pub fn bucket_batches(
         let full = pieces.len() / per * per;
         carry = pieces.split_off(full);
         for chunk in pieces.chunks(per) {
-            batches.push(fill_batch(src, chunk, len + 1, per, pool));
+            batches.push(fill_batch(chunk, len + 1, per));
         }
     }
     if !carry.is_empty() {
         let len = *spec.lengths.last().unwrap();
-        batches.push(fill_batch(
-            src,
-            &carry,
-            len + 1,
-            spec.rows_per_batch(len),
-            pool,
-        ));
+        batches.push(fill_batch(&carry, len + 1, spec.rows_per_batch(len)));
     }
     if let Some(rng) = rng {
         batches.shuffle(rng);
@@ -187,19 +179,13 @@ pub fn bucket_batches(
     )
 }
 
-fn fill_batch(
-    src: &BlockDocs,
-    pieces: &[Piece],
-    width: usize,
-    rows: usize,
-    pool: &BufferPool,
-) -> Rows {
-    let mut out = pool.take_rows(width, rows);
+fn fill_batch(pieces: &[Piece], width: usize, rows: usize) -> RowPlan {
+    let mut out = RowPlan::new(width);
     for p in pieces {
-        out.push_row(std::slice::from_ref(p), src);
+        out.push_row(std::slice::from_ref(p));
     }
-    while out.n_rows < rows {
-        out.push_empty_row(src);
+    while out.n_rows() < rows {
+        out.push_row(&[]);
     }
     out
 }
@@ -245,7 +231,7 @@ mod tests {
         v
     }
 
-    fn delivered(rows: &Rows) -> Vec<i32> {
+    fn delivered(rows: &crate::rows::Rows) -> Vec<i32> {
         let mut v: Vec<i32> = rows
             .tokens
             .iter()
@@ -264,23 +250,25 @@ mod tests {
         ) {
             let src = traceable_docs(&lens);
             let mut rng = ChaCha8Rng::seed_from_u64(seed);
-            let (rows, stats) = pack_rows(&src, width, PackStrategy::BestFit, Some(&mut rng), &BufferPool::default());
+            let (plan, stats) = pack_rows(&src, width, PackStrategy::BestFit, Some(&mut rng));
+            let rows = plan.materialize(&src);
             prop_assert_eq!(rows.tokens.len(), rows.n_rows * width);
             prop_assert_eq!(delivered(&rows), all_tokens(&src));
             let long = lens.iter().filter(|&&l| l as usize > width).count() as u64;
             prop_assert_eq!(stats.cut_documents, long);
-            prop_assert_eq!(rows.doc_tokens + rows.pad_tokens, (rows.n_rows * width) as u64);
         }
 
         #[test]
         fn concat_delivers_every_token_once(lens in proptest::collection::vec(1u32..300, 1..100), width in 8usize..128) {
             let src = traceable_docs(&lens);
-            let (rows, _) = pack_rows(&src, width, PackStrategy::Concat, Some(&mut ChaCha8Rng::seed_from_u64(1)), &BufferPool::default());
+            let (plan, _) = pack_rows(&src, width, PackStrategy::Concat, Some(&mut ChaCha8Rng::seed_from_u64(1)));
+            let rows = plan.materialize(&src);
             prop_assert_eq!(delivered(&rows), all_tokens(&src));
             // Only the last row may hold padding.
             let total: u64 = lens.iter().map(|&l| l as u64).sum();
-            prop_assert_eq!(rows.pad_tokens, rows.n_rows as u64 * width as u64 - total);
-            prop_assert!(rows.pad_tokens < width as u64);
+            let pad = rows.n_rows as u64 * width as u64 - total;
+            prop_assert!(pad < width as u64);
+            prop_assert!((0..plan.n_rows()).filter(|&r| plan.row_tokens(r) < width as u64).count() <= 1);
         }
 
         #[test]
@@ -289,15 +277,15 @@ mod tests {
         ) {
             let spec = BucketSpec { lengths: vec![32, 64, 128, 256], token_budget: 1024 };
             let src = traceable_docs(&lens);
-            let (batches, _) = bucket_batches(&src, &spec, Some(&mut ChaCha8Rng::seed_from_u64(seed)), &BufferPool::default());
+            let (plans, _) = bucket_batches(&src, &spec, Some(&mut ChaCha8Rng::seed_from_u64(seed)));
             let mut got = Vec::new();
             let mut padded_batches = 0;
-            for b in &batches {
+            for b in plans.iter().map(|p| p.materialize(&src)) {
                 let len = b.width - 1;
                 prop_assert!(spec.lengths.contains(&len));
                 prop_assert_eq!(b.n_rows, spec.rows_per_batch(len));
                 if b.doc_ids.chunks(b.width).any(|r| r[0] < 0) { padded_batches += 1; }
-                got.extend(delivered(b));
+                got.extend(delivered(&b));
             }
             got.sort_unstable();
             prop_assert_eq!(got, all_tokens(&src));
@@ -308,26 +296,14 @@ mod tests {
     #[test]
     fn row_metadata_marks_documents() {
         let src = traceable_docs(&[3, 2]);
-        let mut rows = Rows::with_capacity(8, 1);
-        rows.push_row(
-            &[
-                Piece {
-                    doc: 0,
-                    start: 0,
-                    len: 3,
-                },
-                Piece {
-                    doc: 1,
-                    start: 0,
-                    len: 2,
-                },
-            ],
-            &src,
-        );
+        let mut plan = RowPlan::new(8);
+        let p = |doc, len| Piece { doc, start: 0, len };
+        plan.push_row(&[p(0, 3), p(1, 2)]);
+        let rows = plan.materialize(&src);
         assert_eq!(rows.tokens, vec![0, 1, 2, 10_000, 10_001, 0, 0, 0]);
         assert_eq!(rows.position_ids, vec![0, 1, 2, 0, 1, 0, 0, 0]);
         assert_eq!(rows.doc_ids, vec![0, 0, 0, 1, 1, -1, -1, -1]);
         assert_eq!(rows.loss_mask, vec![1, 1, 0, 1, 0, 0, 0, 0]);
-        assert_eq!((rows.doc_tokens, rows.pad_tokens), (5, 3));
+        assert_eq!(plan.row_tokens(0), 5);
     }
 }

@@ -477,7 +477,17 @@ fn write_synthetic(
     docs_per_shard: u64,
     seed: u64,
 ) -> PyResult<u64> {
-    let spec = crate::synthetic::SyntheticSpec { documents, mu, sigma, max_len, vocab, traceable, frame_bytes, docs_per_shard, seed };
+    let spec = crate::synthetic::SyntheticSpec {
+        documents,
+        mu,
+        sigma,
+        max_len,
+        vocab,
+        traceable,
+        frame_bytes,
+        docs_per_shard,
+        seed,
+    };
     run(py, || crate::synthetic::write_synthetic(&path, &spec))
 }
 

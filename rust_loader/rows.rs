@@ -1,5 +1,7 @@
-//! Rows of tokens with the metadata document-masked attention needs, and the documents
-//! of one block that rows are cut from.
+//! The documents of one block, rows planned as lists of pieces, and the code that writes
+//! a planned row (tokens plus the metadata document-masked attention needs) straight into
+//! a batch slot. Rows are never materialised twice: a worker plans them, the assembler
+//! writes each token once, into the slot the consumer will read.
 use std::sync::Mutex;
 
 use crate::format::TokenDtype;
@@ -67,13 +69,103 @@ impl BlockDocs {
     }
 }
 
-/// A run of rows of equal width, laid out row-major: what fills (part of) a batch slot.
-///
-/// For each token position t of a row:
-/// - `position_ids[t]` restarts at 0 at the first token of every piece;
-/// - `doc_ids[t]` numbers the pieces of the row 0, 1, ...; padding is -1;
-/// - `loss_mask[t]` is 1 when token t+1 is the next token of the same piece, so the
-///   prediction made at t is trained; it is 0 at a piece's last token and on padding.
+/// Rows of equal width, each a list of pieces whose lengths sum to at most `width`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RowPlan {
+    pub width: usize,
+    pub pieces: Vec<Piece>,
+    /// Row r holds pieces[row_starts[r]..row_starts[r + 1]].
+    pub row_starts: Vec<u32>,
+}
+
+impl RowPlan {
+    pub fn new(width: usize) -> Self {
+        RowPlan {
+            width,
+            pieces: Vec::new(),
+            row_starts: vec![0],
+        }
+    }
+
+    pub fn push_row(&mut self, pieces: &[Piece]) {
+        debug_assert!(pieces.iter().map(|p| p.len as usize).sum::<usize>() <= self.width);
+        self.pieces.extend_from_slice(pieces);
+        self.row_starts.push(self.pieces.len() as u32);
+    }
+
+    pub fn n_rows(&self) -> usize {
+        self.row_starts.len() - 1
+    }
+
+    pub fn row(&self, r: usize) -> &[Piece] {
+        &self.pieces[self.row_starts[r] as usize..self.row_starts[r + 1] as usize]
+    }
+
+    /// Document tokens in row r (the rest of the row is padding).
+    pub fn row_tokens(&self, r: usize) -> u64 {
+        self.row(r).iter().map(|p| p.len as u64).sum()
+    }
+
+    /// Writes row `r` into row `dst_row` of `dst` (rows of `self.width`).
+    ///
+    /// For each token position t of a row:
+    /// - `position_ids[t]` restarts at 0 at the first token of every piece;
+    /// - `doc_ids[t]` numbers the pieces of the row 0, 1, ...; padding is -1;
+    /// - `loss_mask[t]` is 1 when token t+1 is the next token of the same piece, so the
+    ///   prediction made at t is trained; 0 at a piece's last token and on padding.
+    pub fn write_row(&self, r: usize, src: &BlockDocs, dst: &mut RowSlicesMut<'_>, dst_row: usize) {
+        let base = dst_row * self.width;
+        let mut at = base;
+        for (seg, p) in self.row(r).iter().enumerate() {
+            let n = p.len as usize;
+            src.copy_piece(p, &mut dst.tokens[at..at + n]);
+            for (k, pos) in dst.position_ids[at..at + n].iter_mut().enumerate() {
+                *pos = k as i32;
+            }
+            dst.doc_ids[at..at + n].fill(seg as i32);
+            dst.loss_mask[at..at + n - 1].fill(1);
+            dst.loss_mask[at + n - 1] = 0;
+            at += n;
+        }
+        write_padding(dst, at, base + self.width);
+    }
+
+    /// The rows written out into fresh arrays (tests and tools; the loader writes slots).
+    pub fn materialize(&self, src: &BlockDocs) -> Rows {
+        let n = self.n_rows() * self.width;
+        let mut rows = Rows {
+            width: self.width,
+            n_rows: self.n_rows(),
+            ..Default::default()
+        };
+        rows.tokens.resize(n, 0);
+        rows.position_ids.resize(n, 0);
+        rows.doc_ids.resize(n, 0);
+        rows.loss_mask.resize(n, 0);
+        let mut dst = RowSlicesMut {
+            tokens: &mut rows.tokens,
+            position_ids: &mut rows.position_ids,
+            doc_ids: &mut rows.doc_ids,
+            loss_mask: &mut rows.loss_mask,
+        };
+        for r in 0..self.n_rows() {
+            self.write_row(r, src, &mut dst, r);
+        }
+        rows
+    }
+}
+
+pub const PAD_TOKEN: i32 = 0;
+
+/// Marks positions `from..to` of `dst` as padding.
+pub fn write_padding(dst: &mut RowSlicesMut<'_>, from: usize, to: usize) {
+    dst.tokens[from..to].fill(PAD_TOKEN);
+    dst.position_ids[from..to].fill(0);
+    dst.doc_ids[from..to].fill(-1);
+    dst.loss_mask[from..to].fill(0);
+}
+
+/// Rows written out (row-major), as the consumer sees them in a slot.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Rows {
     pub width: usize,
@@ -82,43 +174,27 @@ pub struct Rows {
     pub position_ids: Vec<i32>,
     pub doc_ids: Vec<i32>,
     pub loss_mask: Vec<u8>,
-    /// Padding tokens in these rows.
-    pub pad_tokens: u64,
-    /// Real (document) tokens in these rows.
-    pub doc_tokens: u64,
 }
 
-pub const PAD_TOKEN: i32 = 0;
+/// Mutable views of the four arrays of a batch slot.
+pub struct RowSlicesMut<'a> {
+    pub tokens: &'a mut [i32],
+    pub position_ids: &'a mut [i32],
+    pub doc_ids: &'a mut [i32],
+    pub loss_mask: &'a mut [u8],
+}
 
-/// Buffers handed back for reuse. Blocks are megabytes; allocating them fresh costs a
-/// page fault per 4 KiB (it was over half the packing time), so they are recycled.
+/// Decoded-frame buffers handed back for reuse. Frames are megabytes; allocating them
+/// fresh costs a page fault per 4 KiB (it was over half the packing time).
 #[derive(Default)]
 pub struct BufferPool {
-    rows: Mutex<Vec<Rows>>,
     frames: Mutex<Vec<Vec<u8>>>,
 }
 
-/// Buffers kept per kind; more are dropped.
+/// Buffers kept; more are dropped.
 const POOL_LIMIT: usize = 64;
 
 impl BufferPool {
-    pub fn take_rows(&self, width: usize, rows: usize) -> Rows {
-        match self.rows.lock().unwrap().pop() {
-            Some(mut r) => {
-                r.reset(width);
-                r
-            }
-            None => Rows::with_capacity(width, rows),
-        }
-    }
-
-    pub fn give_rows(&self, rows: Rows) {
-        let mut pool = self.rows.lock().unwrap();
-        if pool.len() < POOL_LIMIT {
-            pool.push(rows);
-        }
-    }
-
     pub fn take_frame(&self) -> Vec<u8> {
         self.frames.lock().unwrap().pop().unwrap_or_default()
     }
@@ -131,80 +207,4 @@ impl BufferPool {
             }
         }
     }
-}
-
-impl Rows {
-    /// Empties the rows (keeping their memory) for rows of `width` tokens.
-    pub fn reset(&mut self, width: usize) {
-        self.width = width;
-        self.n_rows = 0;
-        self.tokens.clear();
-        self.position_ids.clear();
-        self.doc_ids.clear();
-        self.loss_mask.clear();
-        self.pad_tokens = 0;
-        self.doc_tokens = 0;
-    }
-
-    pub fn with_capacity(width: usize, rows: usize) -> Self {
-        let n = width * rows;
-        Rows {
-            width,
-            n_rows: 0,
-            tokens: Vec::with_capacity(n),
-            position_ids: Vec::with_capacity(n),
-            doc_ids: Vec::with_capacity(n),
-            loss_mask: Vec::with_capacity(n),
-            pad_tokens: 0,
-            doc_tokens: 0,
-        }
-    }
-
-    /// Appends one row made of `pieces` (their lengths sum to at most `width`), padded.
-    pub fn push_row(&mut self, pieces: &[Piece], src: &BlockDocs) {
-        let base = self.tokens.len();
-        self.tokens.resize(base + self.width, PAD_TOKEN);
-        self.position_ids.resize(base + self.width, 0);
-        self.doc_ids.resize(base + self.width, -1);
-        self.loss_mask.resize(base + self.width, 0);
-        let mut at = base;
-        for (seg, p) in pieces.iter().enumerate() {
-            let n = p.len as usize;
-            assert!(at + n <= base + self.width, "pieces overflow a row");
-            src.copy_piece(p, &mut self.tokens[at..at + n]);
-            for (k, pos) in self.position_ids[at..at + n].iter_mut().enumerate() {
-                *pos = k as i32;
-            }
-            self.doc_ids[at..at + n].fill(seg as i32);
-            self.loss_mask[at..at + n - 1].fill(1);
-            at += n;
-        }
-        let used = (at - base) as u64;
-        self.doc_tokens += used;
-        self.pad_tokens += self.width as u64 - used;
-        self.n_rows += 1;
-    }
-
-    /// Appends a row of padding only (to give a batch its fixed shape).
-    pub fn push_empty_row(&mut self, src: &BlockDocs) {
-        self.push_row(&[], src);
-    }
-
-    /// Copies row `r` of `self` into row `dst_row` of equally wide destination slices.
-    pub fn copy_row_to(&self, r: usize, dst: RowSlicesMut<'_>, dst_row: usize) {
-        let (s, d) = (r * self.width, dst_row * self.width);
-        let w = self.width;
-        dst.tokens[d..d + w].copy_from_slice(&self.tokens[s..s + w]);
-        dst.position_ids[d..d + w].copy_from_slice(&self.position_ids[s..s + w]);
-        dst.doc_ids[d..d + w].copy_from_slice(&self.doc_ids[s..s + w]);
-        dst.loss_mask[d..d + w].copy_from_slice(&self.loss_mask[s..s + w]);
-    }
-}
-
-/// Mutable views of the four arrays of a batch slot.
-pub struct RowSlicesMut<'a> {
-    pub tokens: &'a mut [i32],
-    pub position_ids: &'a mut [i32],
-    pub doc_ids: &'a mut [i32],
-    pub loss_mask: &'a mut [u8],
 }
