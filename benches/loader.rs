@@ -117,6 +117,7 @@ fn full_loader(c: &mut Criterion) {
                 num_epochs: None,
                 threads,
                 prefetch_blocks: 2 * threads,
+                skip_corrupt: false,
             };
             let slots = (0..4)
                 .map(|_| SlotBuffers::owned(cfg.slot_elems()))

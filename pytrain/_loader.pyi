@@ -66,6 +66,7 @@ class Loader:
         num_epochs: int | None,
         threads: int,
         prefetch_blocks: int,
+        skip_corrupt: bool = ...,
         state: dict[str, Any] | None = None,
     ) -> None: ...
     def next(self) -> tuple[int, int, int, int, int, int] | None:

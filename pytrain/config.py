@@ -97,16 +97,16 @@ class TrainConfig:
     """'auto' (cuda if available), 'cpu', 'cuda', 'cuda:N'."""
     precision: str = "auto"
     """'auto' (bf16 on GPUs that have it, else fp16 on CUDA, fp32 on CPU), 'bf16', 'fp16', 'fp32'."""
-    max_steps: int = 150
+    max_steps: int = 120
     halt_after: int = 0
     """Checkpoint and exit after this many steps in this process (0: run to max_steps);
     for time-sliced clusters and preemption tests. The schedule still uses max_steps."""
     time_limit_s: float = 0.0
     """Stop (and checkpoint) after this many seconds of training; 0: no limit."""
-    eval_every: int = 75
+    eval_every: int = 60
     eval_batches: int = 10
     log_every: int = 10
-    ckpt_every: int = 75
+    ckpt_every: int = 60
     keep_ckpts: int = 3
     resume: bool = True
     """Resume from the latest valid checkpoint in runs/<name>/ if there is one."""

@@ -13,7 +13,7 @@ it yields exactly the batches an uninterrupted run would have produced next."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -63,7 +63,9 @@ class LoaderConfig:
     """None: pin when CUDA is available."""
     rank: int = 0
     world_size: int = 1
-    extra: dict = field(default_factory=dict)
+    skip_corrupt: bool = False
+    """Leave out frames that fail their checksum (counted in stats()["frames_skipped"])
+    instead of raising CorruptShardError."""
 
 
 @dataclass
@@ -212,6 +214,7 @@ class TokenLoader:
             num_epochs=c.num_epochs,
             threads=c.threads,
             prefetch_blocks=c.prefetch_blocks or 2 * c.threads,
+            skip_corrupt=c.skip_corrupt,
             state=self._state,
         )
 

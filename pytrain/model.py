@@ -160,7 +160,9 @@ class GPT(nn.Module):
         """FlexAttention is fast only when compiled; uncompiled it materialises scores."""
         a = self.cfg.attention
         if a == "auto":
-            return "flex" if compiled and device.type == "cuda" and flex_available() else "sdpa_mask"
+            return (
+                "flex" if compiled and device.type == "cuda" and flex_available() else "sdpa_mask"
+            )
         if a not in ("flex", "sdpa_mask", "causal"):
             raise ValueError(f"attention {a!r} is not auto, flex, sdpa_mask or causal")
         return a
@@ -185,7 +187,11 @@ class GPT(nn.Module):
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
         pos = position_ids.long()
         x = self.embed(input_ids)
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        dtype = (
+            torch.get_autocast_dtype(x.device.type)
+            if torch.is_autocast_enabled(x.device.type)
+            else x.dtype
+        )
         cos, sin = self.rope_cos[pos][:, None].to(dtype), self.rope_sin[pos][:, None].to(dtype)
         for i, block in enumerate(self.blocks):
             if self.training and self.checkpoint_every and i % self.checkpoint_every == 0:
@@ -200,7 +206,9 @@ class GPT(nn.Module):
         kernel (cross_entropy computes in fp32 under autocast)."""
         logits = self(input_ids, position_ids, mask)
         targets = torch.where(loss_mask, targets, -100)
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
+        return F.cross_entropy(
+            logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum"
+        )
 
     @torch.no_grad()
     def generate(

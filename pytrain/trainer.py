@@ -198,7 +198,9 @@ class Trainer:
         # (step, mode): raise a compile-like failure there (tests and the compile matrix).
         self.inject_compile_failure: tuple[int, str] | None = None
         self._resume()
-        self.attention = self.gpt.attention_backend(self.device, compiled=self.compile_mode != "eager")
+        self.attention = self.gpt.attention_backend(
+            self.device, compiled=self.compile_mode != "eager"
+        )
         self.compiled = compile_policy.compile_model(self.module, self.compile_mode)
         self.say(f"compile: {self.compile_mode} ({self.compile_reason})")
         self.log = RunLog(self.run_dir, self.dist.is_main, cfg.tensorboard)
@@ -342,7 +344,9 @@ class Trainer:
         return float(total)
 
     def train_step(self, batches: list[DeviceBatch]) -> StepResult:
-        local_tokens = sum(b.loss_tokens if b.loss_tokens >= 0 else int(b.loss_mask.sum()) for b in batches)
+        local_tokens = sum(
+            b.loss_tokens if b.loss_tokens >= 0 else int(b.loss_mask.sum()) for b in batches
+        )
         denom = distributed.all_sum(local_tokens, self.dist, self.device)
         fallbacks = []
         while True:

@@ -44,6 +44,8 @@ pub struct Block {
     pub docs: BlockDocs,
     pub output: BlockOutput,
     pub stats: PackStats,
+    /// Corrupt frames left out (only with `skip_corrupt`), as error messages.
+    pub skipped_frames: Vec<String>,
 }
 
 impl Block {
@@ -79,16 +81,40 @@ pub fn read_block(
     dec: &mut Decoder,
     pool: &BufferPool,
 ) -> Result<BlockDocs> {
+    read_block_skipping(ds, frames, dec, pool, None)
+}
+
+/// Like `read_block`; with `skipped` given, a corrupt frame is left out and its error
+/// recorded there instead of failing the block.
+pub fn read_block_skipping(
+    ds: &Dataset,
+    frames: &[u64],
+    dec: &mut Decoder,
+    pool: &BufferPool,
+    mut skipped: Option<&mut Vec<String>>,
+) -> Result<BlockDocs> {
     let mut out = BlockDocs {
         dtype: ds.dtype,
         frames: Vec::with_capacity(frames.len()),
         docs: Vec::new(),
     };
-    for (k, &g) in frames.iter().enumerate() {
+    for &g in frames {
         let fr = ds.frames[g as usize];
         let shard = &ds.shards[fr.shard as usize];
         let mut buf = pool.take_frame();
-        shard.decode_frame(fr.frame as usize, &mut dec.zstd, &mut buf)?;
+        match (
+            shard.decode_frame(fr.frame as usize, &mut dec.zstd, &mut buf),
+            skipped.as_deref_mut(),
+        ) {
+            (Ok(()), _) => {}
+            (Err(e @ crate::Error::CorruptShard { .. }), Some(list)) => {
+                list.push(e.to_string());
+                pool.give_frames(vec![buf]);
+                continue;
+            }
+            (Err(e), _) => return Err(e),
+        }
+        let k = out.frames.len();
         let entry = shard.frames()[fr.frame as usize];
         let mut start = 0u32;
         for d in entry.first_doc..entry.first_doc + entry.n_docs {
@@ -112,9 +138,17 @@ pub fn make_block(
     (epoch, block): (u64, u64),
     dec: &mut Decoder,
     pool: &BufferPool,
+    skip_corrupt: bool,
 ) -> Result<Block> {
     let frames = order.block_frames(epoch, block);
-    let mut docs = read_block(ds, &frames, dec, pool)?;
+    let mut skipped_frames = Vec::new();
+    let mut docs = read_block_skipping(
+        ds,
+        &frames,
+        dec,
+        pool,
+        skip_corrupt.then_some(&mut skipped_frames),
+    )?;
     let mut rng = ChaCha8Rng::seed_from_u64(order.block_seed(epoch, block));
     if order.shuffle {
         docs.docs.shuffle(&mut rng);
@@ -136,5 +170,6 @@ pub fn make_block(
         docs,
         output,
         stats,
+        skipped_frames,
     })
 }

@@ -9,6 +9,7 @@ pub mod format;
 pub mod loader;
 pub mod order;
 pub mod pack;
+pub mod robustness;
 pub mod rows;
 pub mod shard_reader;
 pub mod shard_writer;

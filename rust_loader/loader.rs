@@ -35,6 +35,9 @@ pub struct LoaderConfig {
     pub threads: usize,
     /// Blocks the workers may run ahead of the assembler.
     pub prefetch_blocks: usize,
+    /// Leave out frames that fail their checksum or decoding (counted in the stats)
+    /// instead of raising `CorruptShard`.
+    pub skip_corrupt: bool,
 }
 
 impl LoaderConfig {
@@ -247,6 +250,7 @@ pub struct LoaderStats {
     pub wait_ns: u64,
     pub documents_packed: u64,
     pub documents_cut: u64,
+    pub frames_skipped: u64,
 }
 
 enum Message {
@@ -277,6 +281,9 @@ struct Shared {
     stop: AtomicBool,
     documents_packed: AtomicU64,
     documents_cut: AtomicU64,
+    frames_skipped: AtomicU64,
+    /// The most recent skipped frame's error, for the log.
+    last_skipped: Mutex<Option<String>>,
     pool: BufferPool,
 }
 
@@ -364,6 +371,8 @@ impl Loader {
             stop: AtomicBool::new(false),
             documents_packed: AtomicU64::new(0),
             documents_cut: AtomicU64::new(0),
+            frames_skipped: AtomicU64::new(0),
+            last_skipped: Mutex::new(None),
             pool: BufferPool::default(),
             config,
         });
@@ -485,7 +494,13 @@ impl Loader {
         let mut s = self.state.lock().unwrap().1;
         s.documents_packed = self.shared.documents_packed.load(Ordering::Relaxed);
         s.documents_cut = self.shared.documents_cut.load(Ordering::Relaxed);
+        s.frames_skipped = self.shared.frames_skipped.load(Ordering::Relaxed);
         s
+    }
+
+    /// The error of the most recently skipped corrupt frame, if any.
+    pub fn last_skipped(&self) -> Option<String> {
+        self.shared.last_skipped.lock().unwrap().clone()
     }
 
     pub fn blocks_per_epoch(&self) -> u64 {
@@ -568,6 +583,7 @@ fn worker(sh: &Shared) {
                 (pos.epoch, pos.block),
                 &mut dec,
                 &sh.pool,
+                sh.config.skip_corrupt,
             )
         }))
         .unwrap_or_else(|p| Err(Error::Internal(crate::error::panic_message(p))));
@@ -632,6 +648,11 @@ fn assembler(
             .fetch_add(block.stats.documents, Ordering::Relaxed);
         sh.documents_cut
             .fetch_add(block.stats.cut_documents, Ordering::Relaxed);
+        if let Some(last) = block.skipped_frames.last() {
+            sh.frames_skipped
+                .fetch_add(block.skipped_frames.len() as u64, Ordering::Relaxed);
+            *sh.last_skipped.lock().unwrap() = Some(last.clone());
+        }
         let linear = sh.start_linear + seq;
         let here = sh.position(linear, 0);
         let skip = if seq == 0 { sh.start_item as usize } else { 0 };

@@ -326,7 +326,7 @@ impl PyLoader {
     #[new]
     #[pyo3(signature = (dataset, slots, *, mode, seq_len, batch_size, bucket_lengths, token_budget,
                         strategy, seed, shuffle, rank, world_size, frames_per_block, num_epochs,
-                        threads, prefetch_blocks, state=None))]
+                        threads, prefetch_blocks, skip_corrupt=false, state=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -346,6 +346,7 @@ impl PyLoader {
         num_epochs: Option<u64>,
         threads: usize,
         prefetch_blocks: usize,
+        skip_corrupt: bool,
         state: Option<Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         let strategy = match strategy {
@@ -383,6 +384,7 @@ impl PyLoader {
             num_epochs,
             threads,
             prefetch_blocks,
+            skip_corrupt,
         };
         let need = config.slot_elems();
         let mut bufs = Vec::with_capacity(slots.len());
@@ -449,6 +451,8 @@ impl PyLoader {
         d.set_item("wait_s", s.wait_ns as f64 * 1e-9)?;
         d.set_item("documents_packed", s.documents_packed)?;
         d.set_item("documents_cut", s.documents_cut)?;
+        d.set_item("frames_skipped", s.frames_skipped)?;
+        d.set_item("last_skipped", self.inner.last_skipped())?;
         Ok(d)
     }
 

@@ -155,6 +155,20 @@ impl ShardReader {
             ));
         }
         let want = f.n_tokens as usize * self.dtype.width();
+        // The frame header states its content size: check it before allocating, so a
+        // corrupt index can never make us reserve an absurd amount of memory.
+        match zstd::zstd_safe::get_frame_content_size(raw) {
+            Ok(Some(size)) if size == want as u64 => {}
+            other => {
+                return Err(Error::corrupt(
+                    &self.name,
+                    Some(i),
+                    format!(
+                        "zstd frame header gives content size {other:?}, index says {want} bytes"
+                    ),
+                ))
+            }
+        }
         out.clear();
         out.reserve(want);
         let got = decompressor

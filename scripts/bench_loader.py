@@ -47,12 +47,26 @@ def measure(name: str, make_iter, n_batches: int, tokens_per_batch: int) -> dict
     del it  # DataLoader workers exit here, so their CPU time is counted below
     cpu = cpu_seconds() - c1
     total = cpu_seconds() - c0
-    return {"name": name, "tokens_per_s": n_batches * tokens_per_batch / wall, "per_core": n_batches * tokens_per_batch / max(cpu, 1e-9), "first_batch_s": first, "cpu_s": total}
+    return {
+        "name": name,
+        "tokens_per_s": n_batches * tokens_per_batch / wall,
+        "per_core": n_batches * tokens_per_batch / max(cpu, 1e-9),
+        "first_batch_s": first,
+        "cpu_s": total,
+    }
 
 
 def ours(path: Path, seq: int, batch: int, threads: int, pin: bool):
     def gen():
-        loader = TokenLoader(path, seq_len=seq, batch_size=batch, threads=threads, slots=4, frames_per_block=4, pin_memory=pin)
+        loader = TokenLoader(
+            path,
+            seq_len=seq,
+            batch_size=batch,
+            threads=threads,
+            slots=4,
+            frames_per_block=4,
+            pin_memory=pin,
+        )
         for b in loader:
             b.release()
             yield b
@@ -98,7 +112,9 @@ class ShardWindows(torch.utils.data.IterableDataset):
             shard, off, length, _ = ds.frame_location(fr)
             if shard not in files:
                 files[shard] = Path(self.path, shard).read_bytes()
-            toks = np.frombuffer(dctx.decompress(files[shard][off : off + length]), dtype="<u2").astype(np.int64)
+            toks = np.frombuffer(
+                dctx.decompress(files[shard][off : off + length]), dtype="<u2"
+            ).astype(np.int64)
             buf = np.concatenate([buf, toks])
             while len(buf) >= self.seq + 1:
                 yield torch.from_numpy(buf[: self.seq + 1].copy())
@@ -107,20 +123,26 @@ class ShardWindows(torch.utils.data.IterableDataset):
 
 def dataloader(path: Path, seq: int, batch: int, pin: bool):
     def gen():
-        dl = torch.utils.data.DataLoader(ShardWindows(path, seq), batch_size=batch, num_workers=2, pin_memory=pin)
+        dl = torch.utils.data.DataLoader(
+            ShardWindows(path, seq), batch_size=batch, num_workers=2, pin_memory=pin
+        )
         yield from dl
 
     return gen
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--docs", type=int, default=100_000)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--batches", type=int, default=200)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "pytrain-bench-loader")
+    p.add_argument(
+        "--work", type=Path, default=Path(tempfile.gettempdir()) / "pytrain-bench-loader"
+    )
     args = p.parse_args()
     pin = torch.cuda.is_available()
     path = args.work / f"synthetic-{args.docs}"
@@ -140,7 +162,9 @@ def main() -> int:
             results[name].append(measure(name, make, args.batches, tpb))
     import os
 
-    print(f"\n{len(data):,} tokens; batch {args.batch} x {args.seq + 1}; pinned {pin}; {os.cpu_count()} cores; {args.repeats} repeats (min / median)")
+    print(
+        f"\n{len(data):,} tokens; batch {args.batch} x {args.seq + 1}; pinned {pin}; {os.cpu_count()} cores; {args.repeats} repeats (min / median)"
+    )
     print("| loader | M tokens/s | M tokens/s per core | first batch s |")
     print("|---|---|---|---|")
     best_baseline = 0.0
@@ -150,8 +174,14 @@ def main() -> int:
         fb = sorted(r["first_batch_s"] for r in rs)
         if not name.startswith("ours"):
             best_baseline = max(best_baseline, pc[len(pc) // 2])
-        print(f"| {name} | {ts[0] / 1e6:.1f} / {ts[len(ts) // 2] / 1e6:.1f} | {pc[0] / 1e6:.1f} / {pc[len(pc) // 2] / 1e6:.1f} | {fb[len(fb) // 2]:.3f} |")
-    ours_pc = max(sorted(r["per_core"] for r in results[k])[len(results[k]) // 2] for k in results if k.startswith("ours"))
+        print(
+            f"| {name} | {ts[0] / 1e6:.1f} / {ts[len(ts) // 2] / 1e6:.1f} | {pc[0] / 1e6:.1f} / {pc[len(pc) // 2] / 1e6:.1f} | {fb[len(fb) // 2]:.3f} |"
+        )
+    ours_pc = max(
+        sorted(r["per_core"] for r in results[k])[len(results[k]) // 2]
+        for k in results
+        if k.startswith("ours")
+    )
     print(f"ours per core / best baseline per core: {ours_pc / best_baseline:.1f}x")
     return 0
 

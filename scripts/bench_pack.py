@@ -41,7 +41,9 @@ def main() -> int:
     t0 = time.perf_counter()
     n_tokens = 0
     for i in range(0, len(texts), 512):
-        n_tokens += sum(len(e.ids) for e in tok.encode_batch_fast(texts[i : i + 512], add_special_tokens=False))
+        n_tokens += sum(
+            len(e.ids) for e in tok.encode_batch_fast(texts[i : i + 512], add_special_tokens=False)
+        )
     bare = time.perf_counter() - t0
     out = args.work / "ds"
     t0 = time.perf_counter()
@@ -49,13 +51,21 @@ def main() -> int:
     packed = time.perf_counter() - t0
     disk = sum(s["bytes"] for s in r.shards)
     cores = os.cpu_count()
-    print(f"\ninput: {len(docs):,} Python source files, {mb:.1f} MB; BPE vocab {args.vocab}; {cores} cores")
+    print(
+        f"\ninput: {len(docs):,} Python source files, {mb:.1f} MB; BPE vocab {args.vocab}; {cores} cores"
+    )
     print("| stage | seconds | MB/s | M tokens/s |")
     print("|---|---|---|---|")
-    print(f"| bare encode_batch_fast | {bare:.1f} | {mb / bare:.1f} | {n_tokens / bare / 1e6:.2f} |")
-    print(f"| pack-shards (tokenize + compress + write) | {packed:.1f} | {mb / packed:.1f} | {r.tokens / packed / 1e6:.2f} |")
+    print(
+        f"| bare encode_batch_fast | {bare:.1f} | {mb / bare:.1f} | {n_tokens / bare / 1e6:.2f} |"
+    )
+    print(
+        f"| pack-shards (tokenize + compress + write) | {packed:.1f} | {mb / packed:.1f} | {r.tokens / packed / 1e6:.2f} |"
+    )
     print(f"pack-shards / bare encode: {bare / packed:.2f}x of the tokenizer's throughput")
-    print(f"tokens {r.tokens:,} (+{r.documents:,} EOS); disk {disk / 1e6:.1f} MB; text/disk {mb * 1e6 / disk:.2f}x; uint16 tokens/disk {r.tokens * 2 / disk:.2f}x")
+    print(
+        f"tokens {r.tokens:,} (+{r.documents:,} EOS); disk {disk / 1e6:.1f} MB; text/disk {mb * 1e6 / disk:.2f}x; uint16 tokens/disk {r.tokens * 2 / disk:.2f}x"
+    )
     return 0
 
 

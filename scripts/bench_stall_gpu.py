@@ -61,13 +61,17 @@ def memmap(data, batch, seq, device):
     rng = np.random.default_rng(0)
     while True:
         ix = rng.integers(0, len(data) - seq - 1, batch)
-        x = torch.stack([torch.from_numpy(data[i : i + seq + 1].astype(np.int64)) for i in ix]).pin_memory()
+        x = torch.stack(
+            [torch.from_numpy(data[i : i + seq + 1].astype(np.int64)) for i in ix]
+        ).pin_memory()
         x = x.to(device, non_blocking=True)
         yield x[:, :-1], x[:, 1:], None
 
 
 def dataloader(path, batch, seq, device):
-    dl = torch.utils.data.DataLoader(ShardWindows(path, seq), batch_size=batch, num_workers=4, pin_memory=True)
+    dl = torch.utils.data.DataLoader(
+        ShardWindows(path, seq), batch_size=batch, num_workers=4, pin_memory=True
+    )
     while True:
         for x in dl:
             x = x.to(device, non_blocking=True)
@@ -101,11 +105,19 @@ def run(name, batches, model, opt, steps, warmup):
     waits = [a.elapsed_time(b) for a, b in starts]
     step_ms = [a.elapsed_time(b) for a, b in ends]
     total = sum(step_ms)
-    return {"name": name, "step_ms": statistics.median(step_ms), "tokens_per_s": tokens / (total / 1e3), "wait_share": sum(waits) / total, "wall_s": wall}
+    return {
+        "name": name,
+        "step_ms": statistics.median(step_ms),
+        "tokens_per_s": tokens / (total / 1e3),
+        "wait_share": sum(waits) / total,
+        "wall_s": wall,
+    }
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--layers", type=int, default=6)
@@ -121,7 +133,15 @@ def main() -> int:
     if not (path / "manifest.json").exists():
         _loader.write_synthetic(str(path), args.docs, mu=6.0, sigma=1.0, vocab=VOCAB, seed=0)
     data = flat_tokens(path, args.work / f"synthetic-{args.docs}.bin")
-    cfg = ModelConfig(vocab_size=VOCAB, n_layer=args.layers, n_head=args.d_model // 64, d_model=args.d_model, mlp="gelu", attention="causal", max_seq_len=args.seq)
+    cfg = ModelConfig(
+        vocab_size=VOCAB,
+        n_layer=args.layers,
+        n_head=args.d_model // 64,
+        d_model=args.d_model,
+        mlp="gelu",
+        attention="causal",
+        max_seq_len=args.seq,
+    )
     sources = {
         "synthetic on device": lambda: synthetic(args.batch, args.seq, device),
         "ours pack": lambda: ours(path, args.batch, args.seq, device, "pack"),
@@ -138,11 +158,17 @@ def main() -> int:
         results.append(run(name, make(), model, opt, args.steps, args.warmup))
         print(results[-1], flush=True)
     base = results[0]
-    print(f"\nmodel: {args.layers} layers, d_model {args.d_model}, batch {args.batch} x {args.seq}, bf16, compiled; torch {torch.__version__}, {torch.cuda.get_device_name()}")
-    print("| data source | step ms (median) | tokens/s | vs synthetic | GPU data wait (share of step) |")
+    print(
+        f"\nmodel: {args.layers} layers, d_model {args.d_model}, batch {args.batch} x {args.seq}, bf16, compiled; torch {torch.__version__}, {torch.cuda.get_device_name()}"
+    )
+    print(
+        "| data source | step ms (median) | tokens/s | vs synthetic | GPU data wait (share of step) |"
+    )
     print("|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['name']} | {r['step_ms']:.2f} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base['tokens_per_s']:.3f} | {r['wait_share']:.2%} |")
+        print(
+            f"| {r['name']} | {r['step_ms']:.2f} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base['tokens_per_s']:.3f} | {r['wait_share']:.2%} |"
+        )
     return 0
 
 

@@ -33,7 +33,15 @@ def synthetic_dataset(path: Path, docs: int) -> Path:
     return path
 
 
-def run_ours(data: Path, out: Path, steps: int, batch: int, attention: str, compile_mode: str, extra: list[str]) -> dict:
+def run_ours(
+    data: Path,
+    out: Path,
+    steps: int,
+    batch: int,
+    attention: str,
+    compile_mode: str,
+    extra: list[str],
+) -> dict:
     name = f"ours-{attention}-{compile_mode}"
     cmd = [
         sys.executable, "-m", "pytrain.train", "--config", str(ROOT / "configs/gpt2-124m.toml"),
@@ -47,9 +55,20 @@ def run_ours(data: Path, out: Path, steps: int, batch: int, attention: str, comp
     wall = time.perf_counter() - t0
     if r.returncode != 0:
         print(r.stdout[-3000:], r.stderr[-5000:], file=sys.stderr)
-        return {"name": name, "error": r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"rc {r.returncode}"}
+        return {
+            "name": name,
+            "error": r.stderr.strip().splitlines()[-1]
+            if r.stderr.strip()
+            else f"rc {r.returncode}",
+        }
     log = (out / name / "train.log").read_text()
-    rows = [(int(s), float(t.replace(",", "")), float(w), float(ms)) for s, t, ms, w in re.findall(r"step (\d+) loss \S+ lr \S+ grad_norm \S+ tok/s ([\d,]+) step_ms ([\d.]+) data_wait_ms ([\d.]+)", log)]
+    rows = [
+        (int(s), float(t.replace(",", "")), float(w), float(ms))
+        for s, t, ms, w in re.findall(
+            r"step (\d+) loss \S+ lr \S+ grad_norm \S+ tok/s ([\d,]+) step_ms ([\d.]+) data_wait_ms ([\d.]+)",
+            log,
+        )
+    ]
     steady = [r for r in rows if r[0] > min(50, steps // 3)]
     mfu = re.findall(r"mfu ([\d.]+)%", log)
     return {
@@ -59,12 +78,20 @@ def run_ours(data: Path, out: Path, steps: int, batch: int, attention: str, comp
         "data_wait_ms": statistics.median(w for _, _, w, _ in steady),
         "mfu": float(mfu[-1]) / 100 if mfu else None,
         "wall_s": wall,
-        "compile_line": next((line for line in r.stdout.splitlines() if line.startswith("compile:")), ""),
+        "compile_line": next(
+            (line for line in r.stdout.splitlines() if line.startswith("compile:")), ""
+        ),
     }
 
 
 def run_nanogpt(peer: Path, batch: int) -> dict:
-    cmd = [sys.executable, "bench.py", "--real_data=False", f"--batch_size={batch}", "--compile=True"]
+    cmd = [
+        sys.executable,
+        "bench.py",
+        "--real_data=False",
+        f"--batch_size={batch}",
+        "--compile=True",
+    ]
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=peer)
     wall = time.perf_counter() - t0
@@ -73,16 +100,28 @@ def run_nanogpt(peer: Path, batch: int) -> dict:
         print(r.stdout[-3000:], r.stderr[-5000:], file=sys.stderr)
         return {"name": "nanoGPT bench.py", "error": "failed"}
     ms = float(m.group(1))
-    return {"name": "nanoGPT bench.py", "tokens_per_s": batch * 1024 / (ms / 1e3), "step_ms": ms, "wall_s": wall, "nanogpt_mfu_a100_peak": float(m.group(2)) / 100}
+    return {
+        "name": "nanoGPT bench.py",
+        "tokens_per_s": batch * 1024 / (ms / 1e3),
+        "step_ms": ms,
+        "wall_s": wall,
+        "nanogpt_mfu_a100_peak": float(m.group(2)) / 100,
+    }
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nanogpt", type=Path, required=True, help="path to a checkout of karpathy/nanoGPT")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--nanogpt", type=Path, required=True, help="path to a checkout of karpathy/nanoGPT"
+    )
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch", type=int, default=12)
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "pytrain-bench")
-    p.add_argument("--variants", default="causal:default,flex:default", help="attention:compile_mode pairs")
+    p.add_argument(
+        "--variants", default="causal:default,flex:default", help="attention:compile_mode pairs"
+    )
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     import torch
@@ -93,7 +132,9 @@ def main() -> int:
     results = []
     for v in args.variants.split(","):
         attention, mode = v.split(":")
-        results.append(run_ours(data, args.work / "runs", args.steps, args.batch, attention, mode, []))
+        results.append(
+            run_ours(data, args.work / "runs", args.steps, args.batch, attention, mode, [])
+        )
         print(json.dumps(results[-1]), flush=True)
     results.append(run_nanogpt(args.nanogpt, args.batch))
     print(json.dumps(results[-1]), flush=True)
@@ -108,7 +149,9 @@ def main() -> int:
             continue
         ratio = f"{r['tokens_per_s'] / base:.3f}x" if base else "-"
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "-"
-        print(f"| {r['name']} | {r['tokens_per_s']:,.0f} | {r['step_ms']:.1f} | {r.get('data_wait_ms', float('nan')):.2f} | {mfu} | {ratio} |")
+        print(
+            f"| {r['name']} | {r['tokens_per_s']:,.0f} | {r['step_ms']:.1f} | {r.get('data_wait_ms', float('nan')):.2f} | {mfu} | {ratio} |"
+        )
     return 0
 
 

@@ -54,6 +54,7 @@ fn config(mode: Mode, threads: usize, rank: u64, world: u64, epochs: u64) -> Loa
         num_epochs: Some(epochs),
         threads,
         prefetch_blocks: 3,
+        skip_corrupt: false,
     }
 }
 
