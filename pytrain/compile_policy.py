@@ -54,6 +54,7 @@ def decide(
     activation_checkpointing: bool,
     variable_shapes: bool,
     distributed: bool,
+    guard: bool = True,
 ) -> CompileDecision:
     """Chooses the compile level; `requested` is the user's mode ('auto' lets us choose)."""
     if enabled is False or requested == "eager":
@@ -65,6 +66,8 @@ def decide(
     mode = "default" if requested == "auto" else requested
     if mode not in LEVELS:
         raise ValueError(f"compile mode {requested!r} is not one of auto, {', '.join(LEVELS)}")
+    if not guard:
+        return CompileDecision(mode, "guard off: no up-front avoidance, no run-time fallback")
     if mode == "reduce-overhead":
         if activation_checkpointing:
             return CompileDecision(
@@ -100,6 +103,16 @@ def is_compile_failure(e: BaseException) -> bool:
         return True
     text = f"{type(e).__name__}: {e}"
     return any(m in text for m in COMPILE_FAILURE_MARKERS)
+
+
+def compiled_graphs() -> int:
+    """Graphs Dynamo has compiled in this process (recompiles included)."""
+    try:
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
+    except Exception:  # private API; absent in some versions
+        return -1
 
 
 def compile_model(model: torch.nn.Module, mode: str) -> torch.nn.Module:

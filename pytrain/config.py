@@ -87,6 +87,11 @@ class CompileConfig:
     """Set Inductor/Triton environment guards before torch is imported (see docs/COMPILE.md)."""
     cache_dir: str = ""
     """Persistent Inductor cache (TORCHINDUCTOR_CACHE_DIR); empty: under runs/<name>/."""
+    guard: bool = True
+    """Avoid known-bad combinations up front and fall back at run time. Off shows torch's
+    native behaviour (scripts/compile_matrix.py compares the two)."""
+    inject_failure_at: int = -1
+    """Testing knob: raise a compile-like failure at this step (>= 0) to exercise the fallback."""
 
 
 @dataclass

@@ -197,6 +197,8 @@ class Trainer:
         self.fallbacks: list[str] = []
         # (step, mode): raise a compile-like failure there (tests and the compile matrix).
         self.inject_compile_failure: tuple[int, str] | None = None
+        if cfg.compile.inject_failure_at >= 0:
+            self.inject_compile_failure = (cfg.compile.inject_failure_at, decision.mode)
         self._resume()
         self.attention = self.gpt.attention_backend(
             self.device, compiled=self.compile_mode != "eager"
@@ -355,7 +357,10 @@ class Trainer:
                 loss_sum = self._forward_backward(batches, max(denom, 1.0))
                 break
             except Exception as e:
-                if not compile_policy.is_compile_failure(e) or self.compile_mode == "eager":
+                if (
+                    not (self.cfg.compile.guard and compile_policy.is_compile_failure(e))
+                    or self.compile_mode == "eager"
+                ):
                     raise
                 old, self.compile_mode = (
                     self.compile_mode,

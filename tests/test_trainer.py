@@ -185,3 +185,20 @@ def test_lr_schedule_warms_up_and_decays():
     assert lr_at(9, cfg) == pytest.approx(1.0)
     assert lr_at(100, cfg) == pytest.approx(0.1)
     assert lr_at(55, cfg) == pytest.approx(0.55)
+
+
+def test_compile_policy_avoids_known_bad_combinations():
+    from pytrain.compile_policy import decide
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert decide("auto", None, cpu, False, False, False).mode == "eager"
+    assert decide("auto", None, cuda, False, False, False).mode == "default"
+    d = decide("reduce-overhead", True, cuda, True, False, False)
+    assert d.mode == "default" and "activation checkpointing" in d.reason
+    assert decide("reduce-overhead", True, cuda, False, True, False).mode == "default"
+    assert decide("reduce-overhead", True, cuda, False, False, False).mode == "reduce-overhead"
+    assert (
+        decide("reduce-overhead", True, cuda, True, False, False, guard=False).mode
+        == "reduce-overhead"
+    )
+    assert decide("auto", False, cuda, False, False, False).mode == "eager"
