@@ -9,6 +9,7 @@ compilation on the CPU by default (slow to compile, little gain for small models
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +70,11 @@ def decide(
     if not guard:
         return CompileDecision(mode, "guard off: no up-front avoidance, no run-time fallback")
     if mode == "reduce-overhead":
+        if os.environ.get("TORCH_COMPILE_DISABLE_CUDAGRAPHS") == "1":
+            return CompileDecision(
+                "default",
+                "CUDA graphs are off (TORCH_COMPILE_DISABLE_CUDAGRAPHS=1, set by compile.safe_env); --no-compile.safe_env enables them",
+            )
         if activation_checkpointing:
             return CompileDecision(
                 "default",

@@ -466,12 +466,17 @@ class Trainer:
             self._log_eval(val)
         if not (cfg.ckpt_every and self.step % cfg.ckpt_every == 0):
             self.save_checkpoint()
+        graphs = compile_policy.compiled_graphs() if self.compile_mode != "eager" else 0
+        self.log.text(
+            f"compiled graphs: {graphs}; compile mode at the end: {self.compile_mode}; fallbacks: {len(self.fallbacks)}"
+        )
         return {
             "losses": history,
             "val_loss": val,
             "step": self.step,
             "fallbacks": self.fallbacks,
             "skipped": self.guard.skipped,
+            "graphs": graphs,
         }
 
     def _bar(self):

@@ -187,9 +187,10 @@ def test_lr_schedule_warms_up_and_decays():
     assert lr_at(55, cfg) == pytest.approx(0.55)
 
 
-def test_compile_policy_avoids_known_bad_combinations():
+def test_compile_policy_avoids_known_bad_combinations(monkeypatch):
     from pytrain.compile_policy import decide
 
+    monkeypatch.delenv("TORCH_COMPILE_DISABLE_CUDAGRAPHS", raising=False)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert decide("auto", None, cpu, False, False, False).mode == "eager"
     assert decide("auto", None, cuda, False, False, False).mode == "default"
@@ -202,3 +203,8 @@ def test_compile_policy_avoids_known_bad_combinations():
         == "reduce-overhead"
     )
     assert decide("auto", False, cuda, False, False, False).mode == "eager"
+    monkeypatch.setenv("TORCH_COMPILE_DISABLE_CUDAGRAPHS", "1")
+    assert (
+        "TORCH_COMPILE_DISABLE_CUDAGRAPHS"
+        in decide("reduce-overhead", True, cuda, False, False, False).reason
+    )
