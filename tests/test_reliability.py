@@ -5,56 +5,18 @@ leaks nor overwrites under many epochs and state reloads."""
 from __future__ import annotations
 
 import os
-import random
-import re
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from conftest import traceable_docs, write_synthetic
 
 from pytrain.data import TokenLoader
 
-
-def train_cmd(small_corpus, out: Path, steps: int) -> list[str]:
-    train, val = small_corpus
-    return [sys.executable, "-m", "pytrain.train", "--data.path", str(train), "--data.val_path", str(val),
-            "--out_dir", str(out), "--name", "k", "--model.n_layer", "2", "--model.n_head", "2",
-            "--model.d_model", "64", "--data.seq_len", "64", "--data.batch_size", "4",
-            "--data.frames_per_block", "2", "--max_steps", str(steps), "--eval_every", "0",
-            "--ckpt_every", "1", "--keep_ckpts", "2", "--log_every", "1", "--no-progress", "--no-tensorboard",
-            "--samples", "0", "--deterministic", "--optim.grad_accum", "2"]  # fmt: skip
-
-
-def losses_by_step(log: Path) -> dict[int, str]:
-    """The last logged loss of every step (steps rerun after a kill log again)."""
-    out = {}
-    for step, loss in re.findall(r"step (\d+) loss (\S+)", log.read_text()):
-        out[int(step)] = loss
-    return out
-
-
-def kill_and_resume(cmd: list[str], kills: int, seed: int, env: dict) -> int:
-    """Runs `cmd` to completion, SIGKILLing it `kills` times at random moments."""
-    rng = random.Random(seed)
-    done_kills = 0
-    while True:
-        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-        if done_kills < kills:
-            time.sleep(rng.uniform(3.0, 6.0))  # start-up is ~3 s; steps take ~20 ms
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-                p.wait()
-                done_kills += 1
-                continue
-        _, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err.decode()[-3000:]
-        return done_kills
+sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
+from kill_resume_sweep import kill_and_resume, losses_by_step, same_final_params, train_cmd  # noqa: E402
 
 
 @pytest.mark.slow
@@ -73,11 +35,8 @@ def test_sigkill_at_random_points_then_resume_matches_uninterrupted(small_corpus
     got = losses_by_step(tmp_path / "killed" / "k" / "train.log")
     assert sorted(want) == list(range(1, steps + 1))
     assert got == want  # every step's loss, bit for bit (as printed)
-    a = torch.load(tmp_path / "ref" / "k" / f"ckpt-{steps:08d}.pt", weights_only=False)
-    b = torch.load(tmp_path / "killed" / "k" / f"ckpt-{steps:08d}.pt", weights_only=False)
-    for k in a["model"]:
-        assert torch.equal(a["model"][k], b["model"][k]), k
-    assert a["ranks"][0]["loader"] == b["ranks"][0]["loader"]
+    ckpt = f"ckpt-{steps:08d}.pt"
+    assert same_final_params(tmp_path / "ref" / "k" / ckpt, tmp_path / "killed" / "k" / ckpt)
 
 
 def test_skip_corrupt_frames_counts_them_and_delivers_the_rest(tmp_path):
