@@ -64,3 +64,22 @@ class RunLog:
             self.tb.close()
         if self.file is not None:
             self.file.close()
+
+
+def loader_cpu_seconds() -> float | None:
+    """CPU seconds used so far by this process's loader threads (named "ptl-*"), from
+    /proc (Linux); None elsewhere."""
+    import os
+
+    total, tick = 0.0, os.sysconf("SC_CLK_TCK")
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if not f.read().startswith("ptl-"):
+                    continue
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    except OSError:
+        return None
+    return total

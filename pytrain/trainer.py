@@ -18,7 +18,7 @@ from torch import nn
 from pytrain import checkpoint, compile_policy, distributed
 from pytrain.config import TrainConfig, to_dict
 from pytrain.data import DeviceBatch, TokenLoader
-from pytrain.metrics import RunLog, flops_per_token, peak_flops
+from pytrain.metrics import RunLog, flops_per_token, loader_cpu_seconds, peak_flops
 from pytrain.model import GPT
 
 
@@ -435,6 +435,7 @@ class Trainer:
         history: list[float] = []
         val = None
         t_start = time.perf_counter()
+        cpu_start = loader_cpu_seconds()
         first_step = self.step
         while self.step < cfg.max_steps:
             if cfg.halt_after and self.step - first_step >= cfg.halt_after:
@@ -461,6 +462,10 @@ class Trainer:
                 break
         if bar is not None:
             bar.close()
+        cpu_end = loader_cpu_seconds()
+        if cpu_start is not None and cpu_end is not None:
+            wall = time.perf_counter() - t_start
+            self.log.text(f"loader threads CPU: {cpu_end - cpu_start:.2f}s over {wall:.2f}s of training = {(cpu_end - cpu_start) / wall:.3f} cores")
         if not (cfg.eval_every and self.step % cfg.eval_every == 0):
             val = self.evaluate()
             self._log_eval(val)

@@ -383,15 +383,24 @@ impl Loader {
         }
         let (ready_tx, ready_rx) = unbounded();
         let (stop_tx, stop_rx) = bounded::<()>(0);
+        // Named threads ("ptl-..."), so tools (and the trainer's CPU accounting) can tell
+        // the loader's CPU time from the rest of the process.
+        let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
+            std::thread::Builder::new()
+                .name(name)
+                .spawn(f)
+                .map_err(|e| Error::Internal(format!("cannot start a loader thread: {e}")))
+        };
         let mut threads = Vec::new();
-        for _ in 0..shared.config.threads {
+        for i in 0..shared.config.threads {
             let sh = shared.clone();
-            threads.push(std::thread::spawn(move || worker(&sh)));
+            threads.push(spawn(format!("ptl-worker-{i}"), Box::new(move || worker(&sh)))?);
         }
         let (sh, sl) = (shared.clone(), slots.clone());
-        threads.push(std::thread::spawn(move || {
-            assembler(&sh, &sl, &free_rx, &ready_tx, &stop_rx)
-        }));
+        threads.push(spawn(
+            "ptl-assembler".into(),
+            Box::new(move || assembler(&sh, &sl, &free_rx, &ready_tx, &stop_rx)),
+        )?);
         Ok(Loader {
             shared,
             slots,
