@@ -110,11 +110,31 @@ class HostBatch:
             out = DeviceBatch.of(self, lambda t: t.clone())
             self.release()
             return out
-        out = DeviceBatch.of(self, lambda t: t.to(device, non_blocking=True))
+        # Copy on a side stream, so the copy (and the host work before it) overlaps the
+        # compute already queued; the compute stream waits for the copy before using it.
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        compute = torch.cuda.current_stream(device)
+        side = _copy_stream(device)
+        with torch.cuda.stream(side):
+            out = DeviceBatch.of(self, lambda t: t.to(device, non_blocking=True))
+            done = torch.cuda.Event()
+            done.record(side)
+        compute.wait_event(done)
+        for t in (out.input_ids, out.targets, out.position_ids, out.doc_ids, out.loss_mask):
+            t.record_stream(compute)  # memory made on the side stream, used on compute
         out._pending_release = self
-        out._copy_done = torch.cuda.Event()
-        out._copy_done.record()
+        out._copy_done = done
         return out
+
+
+_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _COPY_STREAMS:
+        _COPY_STREAMS[device] = torch.cuda.Stream(device)
+    return _COPY_STREAMS[device]
 
 
 @dataclass

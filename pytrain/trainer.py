@@ -194,6 +194,10 @@ class Trainer:
         self.compile_reason = decision.reason
         self.step = 0
         self.tokens_seen = 0
+        # Loader state after the batches of the last completed step (prefetched batches of
+        # the next step are not in it), and the prefetched batches themselves.
+        self._loader_state: dict | None = None
+        self._next: tuple[list[DeviceBatch], float] | None = None
         self.fallbacks: list[str] = []
         # (step, mode): raise a compile-like failure there (tests and the compile matrix).
         self.inject_compile_failure: tuple[int, str] | None = None
@@ -262,7 +266,11 @@ class Trainer:
     # ---- checkpoints ----------------------------------------------------------------------
     def _state(self) -> dict:
         per_rank = distributed.gather_objects(
-            {"loader": self.loader.state_dict(), "rng": checkpoint.rng_state()}, self.dist
+            {
+                "loader": self._loader_state or self.loader.state_dict(),
+                "rng": checkpoint.rng_state(),
+            },
+            self.dist,
         )
         return {
             "step": self.step,
@@ -315,9 +323,23 @@ class Trainer:
 
     # ---- one optimizer step ---------------------------------------------------------------
     def _fetch(self, n: int) -> tuple[list[DeviceBatch], float]:
+        """The next `n` micro-batches on the device. Host slots are released as their
+        copies land; with more micro-batches than slots, the oldest copy is awaited."""
         t0 = time.perf_counter()
-        out = [next(self.loader).to(self.device) for _ in range(n)]
+        out: list[DeviceBatch] = []
+        for _ in range(n):
+            held = [b for b in out if not b.release_host()]
+            if len(held) >= self.cfg.data.slots - 1:
+                held[0].release_host(wait=True)
+            out.append(next(self.loader).to(self.device))
         return out, time.perf_counter() - t0
+
+    def _prefetch_next(self) -> None:
+        """Fetches the next step's micro-batches while this step's kernels run, after
+        noting the loader state that a checkpoint of this step must record."""
+        self._loader_state = self.loader.state_dict()
+        if self.step + 1 < self.cfg.max_steps:
+            self._next = self._fetch(self.cfg.optim.grad_accum)
 
     def _micro_loss(self, b: DeviceBatch) -> torch.Tensor:
         mask = self.gpt.make_mask(b.doc_ids, self.attention)
@@ -330,7 +352,7 @@ class Trainer:
                 )
             return self.compiled(b.input_ids, b.targets, b.position_ids, b.loss_mask, mask)
 
-    def _forward_backward(self, batches: list[DeviceBatch], denom: float) -> float:
+    def _forward_backward(self, batches: list[DeviceBatch], denom: float) -> torch.Tensor:
         """Accumulates gradients of sum(loss) / (loss tokens of the whole step). DDP
         averages gradients over ranks, so each rank's loss is scaled by the world size.
         The summed loss stays on the device until the end: one sync per step, not per
@@ -343,9 +365,9 @@ class Trainer:
                 loss = loss_sum * scale
                 (self.precision.scaler.scale(loss) if self.precision.scaler else loss).backward()
             total += loss_sum.detach().float()
-        return float(total)
+        return total
 
-    def train_step(self, batches: list[DeviceBatch]) -> StepResult:
+    def train_step(self, batches: list[DeviceBatch], prefetch=None) -> StepResult:
         local_tokens = sum(
             b.loss_tokens if b.loss_tokens >= 0 else int(b.loss_mask.sum()) for b in batches
         )
@@ -355,6 +377,9 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             try:
                 loss_sum = self._forward_backward(batches, max(denom, 1.0))
+                if prefetch:
+                    prefetch()  # host work overlaps the kernels just queued
+                loss_sum = float(loss_sum)
                 break
             except Exception as e:
                 if (
@@ -435,14 +460,18 @@ class Trainer:
         history: list[float] = []
         val = None
         t_start = time.perf_counter()
+        self._next = None  # (micro-batches, wait) fetched during the previous step
         cpu_start = loader_cpu_seconds()
         first_step = self.step
         while self.step < cfg.max_steps:
             if cfg.halt_after and self.step - first_step >= cfg.halt_after:
                 break
             t0 = time.perf_counter()
-            batches, wait = self._fetch(cfg.optim.grad_accum)
-            r = self.train_step(batches)
+            batches, wait = (
+                self._next if self._next is not None else self._fetch(cfg.optim.grad_accum)
+            )
+            self._next = None
+            r = self.train_step(batches, prefetch=self._prefetch_next)
             for b in batches:
                 b.release_host(wait=True)
             if self.device.type == "cuda":
@@ -465,7 +494,9 @@ class Trainer:
         cpu_end = loader_cpu_seconds()
         if cpu_start is not None and cpu_end is not None:
             wall = time.perf_counter() - t_start
-            self.log.text(f"loader threads CPU: {cpu_end - cpu_start:.2f}s over {wall:.2f}s of training = {(cpu_end - cpu_start) / wall:.3f} cores")
+            self.log.text(
+                f"loader threads CPU: {cpu_end - cpu_start:.2f}s over {wall:.2f}s of training = {(cpu_end - cpu_start) / wall:.3f} cores"
+            )
         if not (cfg.eval_every and self.step % cfg.eval_every == 0):
             val = self.evaluate()
             self._log_eval(val)

@@ -41,11 +41,15 @@ print(json.dumps({'base': base, 'opened': opened, 'after': after, 'docs': loader
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--docs", default="1000000,10000000")
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "pytrain-bench-memory")
+    p.add_argument(
+        "--work", type=Path, default=Path(tempfile.gettempdir()) / "pytrain-bench-memory"
+    )
     args = p.parse_args()
     from pytrain import _loader
 
@@ -53,21 +57,31 @@ def main() -> int:
     for n in (int(x) for x in args.docs.split(",")):
         path = args.work / f"docs-{n}"
         if not (path / "manifest.json").exists():
-            _loader.write_synthetic(str(path), n, mu=3.0, sigma=0.8, vocab=50257, docs_per_shard=5_000_000, seed=0)
+            _loader.write_synthetic(
+                str(path), n, mu=3.0, sigma=0.8, vocab=50257, docs_per_shard=5_000_000, seed=0
+            )
         index_mb = n * 4 / 2**20
         disk_mb = sum(f.stat().st_size for f in path.glob("*.tks")) / 2**20
-        r = subprocess.run([sys.executable, "-c", CHILD, str(path), str(args.seq), str(args.batch)], capture_output=True, text=True)
+        r = subprocess.run(
+            [sys.executable, "-c", CHILD, str(path), str(args.seq), str(args.batch)],
+            capture_output=True,
+            text=True,
+        )
         if r.returncode != 0:
             print(r.stderr[-2000:])
             return 1
         m = json.loads(r.stdout.strip().splitlines()[-1])
         rows.append((n, m, index_mb, disk_mb))
         print(n, m, flush=True)
-    print(f"\n| documents | tokens | shards on disk MiB | doc-length index MiB | heap after open MiB | heap after 200 batches MiB | mapped resident after 200 batches MiB |")
+    print(
+        "\n| documents | tokens | shards on disk MiB | doc-length index MiB | heap after open MiB | heap after 200 batches MiB | mapped resident after 200 batches MiB |"
+    )
     print("|---|---|---|---|---|---|---|")
     for n, m, index_mb, disk_mb in rows:
         b = m["base"]["RssAnon"]
-        print(f"| {n:,} | {m['tokens']:,} | {disk_mb:,.0f} | {index_mb:,.0f} | {m['opened']['RssAnon'] - b:,.1f} | {m['after']['RssAnon'] - b:,.1f} | {m['after']['RssFile'] - m['base']['RssFile']:,.1f} |")
+        print(
+            f"| {n:,} | {m['tokens']:,} | {disk_mb:,.0f} | {index_mb:,.0f} | {m['opened']['RssAnon'] - b:,.1f} | {m['after']['RssAnon'] - b:,.1f} | {m['after']['RssFile'] - m['base']['RssFile']:,.1f} |"
+        )
     return 0
 
 

@@ -25,18 +25,35 @@ def run(n: int, data: Path, out: Path, steps: int, batch: int) -> dict:
            "--no-resume", "--max_steps", str(steps), "--optim.grad_accum", "1", "--data.batch_size", str(batch),
            "--eval_every", "0", "--ckpt_every", "0", "--log_every", "1", "--samples", "0", "--no-progress",
            "--model.attention", "causal"]  # fmt: skip
-    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", "")})
+    r = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", "")},
+    )
     if r.returncode != 0:
         print(r.stdout[-2000:], r.stderr[-4000:], file=sys.stderr)
         return {"gpus": n, "error": (r.stderr.strip().splitlines() or ["?"])[-1][:200]}
     log = (out / name / "train.log").read_text()
-    toks = [float(t.replace(",", "")) for s, t in re.findall(r"step (\d+) loss \S+ lr \S+ grad_norm \S+ tok/s ([\d,]+)", log) if int(s) > steps // 3]
-    cpu = re.search(r"loader threads CPU: ([\d.]+)s over ([\d.]+)s of training = ([\d.]+) cores", log)
-    return {"gpus": n, "tokens_per_s": statistics.median(toks), "loader_cores_per_gpu": float(cpu.group(3)) if cpu else None}
+    toks = [
+        float(t.replace(",", ""))
+        for s, t in re.findall(r"step (\d+) loss \S+ lr \S+ grad_norm \S+ tok/s ([\d,]+)", log)
+        if int(s) > steps // 3
+    ]
+    cpu = re.search(
+        r"loader threads CPU: ([\d.]+)s over ([\d.]+)s of training = ([\d.]+) cores", log
+    )
+    return {
+        "gpus": n,
+        "tokens_per_s": statistics.median(toks),
+        "loader_cores_per_gpu": float(cpu.group(3)) if cpu else None,
+    }
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--gpus", default="1,2")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch", type=int, default=16)
@@ -49,12 +66,18 @@ def main() -> int:
     data = args.work / "synthetic"
     if not (data / "manifest.json").exists():
         _loader.write_synthetic(str(data), 40_000, mu=6.5, sigma=1.0, vocab=50257, seed=0)
-    results = [run(int(n), data, args.work / "runs", args.steps, args.batch) for n in args.gpus.split(",")]
+    results = [
+        run(int(n), data, args.work / "runs", args.steps, args.batch) for n in args.gpus.split(",")
+    ]
     for r in results:
         print(r, flush=True)
     base = results[0].get("tokens_per_s")
-    print(f"\nGPT-2 124M preset, batch {args.batch} x 1024 per GPU, bf16, compiled, DDP; torch {torch.__version__}, {torch.cuda.get_device_name()}")
-    print("| GPUs | tokens/s (all GPUs) | per GPU | scaling efficiency | loader CPU (cores per GPU, rank 0) |")
+    print(
+        f"\nGPT-2 124M preset, batch {args.batch} x 1024 per GPU, bf16, compiled, DDP; torch {torch.__version__}, {torch.cuda.get_device_name()}"
+    )
+    print(
+        "| GPUs | tokens/s (all GPUs) | per GPU | scaling efficiency | loader CPU (cores per GPU, rank 0) |"
+    )
     print("|---|---|---|---|---|")
     for r in results:
         if "error" in r:
@@ -62,7 +85,9 @@ def main() -> int:
             continue
         eff = r["tokens_per_s"] / (base * r["gpus"]) if base else float("nan")
         lc = f"{r['loader_cores_per_gpu']:.3f}" if r["loader_cores_per_gpu"] is not None else "-"
-        print(f"| {r['gpus']} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / r['gpus']:,.0f} | {eff:.1%} | {lc} |")
+        print(
+            f"| {r['gpus']} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / r['gpus']:,.0f} | {eff:.1%} | {lc} |"
+        )
     return 0
 
 
