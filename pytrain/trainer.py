@@ -198,6 +198,7 @@ class Trainer:
         # the next step are not in it), and the prefetched batches themselves.
         self._loader_state: dict | None = None
         self._next: tuple[list[DeviceBatch], float] | None = None
+        self._in_flight: list[DeviceBatch] = []  # copies whose host slot is not yet released
         self.fallbacks: list[str] = []
         # (step, mode): raise a compile-like failure there (tests and the compile matrix).
         self.inject_compile_failure: tuple[int, str] | None = None
@@ -324,14 +325,17 @@ class Trainer:
     # ---- one optimizer step ---------------------------------------------------------------
     def _fetch(self, n: int) -> tuple[list[DeviceBatch], float]:
         """The next `n` micro-batches on the device. Host slots are released as their
-        copies land; with more micro-batches than slots, the oldest copy is awaited."""
+        copies land; when every slot but one is in flight (this step's and the next
+        step's micro-batches together), the oldest copy is awaited."""
         t0 = time.perf_counter()
         out: list[DeviceBatch] = []
         for _ in range(n):
-            held = [b for b in out if not b.release_host()]
-            if len(held) >= self.cfg.data.slots - 1:
-                held[0].release_host(wait=True)
-            out.append(next(self.loader).to(self.device))
+            self._in_flight = [b for b in self._in_flight if not b.release_host()]
+            while len(self._in_flight) >= max(1, self.cfg.data.slots - 1):
+                self._in_flight.pop(0).release_host(wait=True)
+            b = next(self.loader).to(self.device)
+            self._in_flight.append(b)
+            out.append(b)
         return out, time.perf_counter() - t0
 
     def _prefetch_next(self) -> None:
@@ -472,8 +476,6 @@ class Trainer:
             )
             self._next = None
             r = self.train_step(batches, prefetch=self._prefetch_next)
-            for b in batches:
-                b.release_host(wait=True)
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
