@@ -125,3 +125,31 @@ def compile_model(model: torch.nn.Module, mode: str) -> torch.nn.Module:
     if mode == "eager":
         return model
     return torch.compile(model, mode=mode, dynamic=False)
+
+
+def save_cache_artifacts(path) -> bool:
+    """Saves Inductor's compiled artifacts (torch >= 2.7) so a restart skips most of the
+    compile time; False where unsupported."""
+    try:
+        got = torch.compiler.save_cache_artifacts()
+    except (AttributeError, RuntimeError):
+        return False
+    if not got:
+        return False
+    from pathlib import Path
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_bytes(got[0])
+    return True
+
+
+def load_cache_artifacts(path) -> bool:
+    from pathlib import Path
+
+    p = Path(path)
+    if not p.exists():
+        return False
+    try:
+        return torch.compiler.load_cache_artifacts(p.read_bytes()) is not None
+    except Exception:  # a stale or foreign cache only costs a normal compile
+        return False

@@ -199,6 +199,7 @@ class Trainer:
         self._loader_state: dict | None = None
         self._next: tuple[list[DeviceBatch], float] | None = None
         self._in_flight: list[DeviceBatch] = []  # copies whose host slot is not yet released
+        self.expected_graphs = -1  # graphs compiled by the warm-up
         self.fallbacks: list[str] = []
         # (step, mode): raise a compile-like failure there (tests and the compile matrix).
         self.inject_compile_failure: tuple[int, str] | None = None
@@ -371,16 +372,16 @@ class Trainer:
             total += loss_sum.detach().float()
         return total
 
-    def train_step(self, batches: list[DeviceBatch], prefetch=None) -> StepResult:
-        local_tokens = sum(
-            b.loss_tokens if b.loss_tokens >= 0 else int(b.loss_mask.sum()) for b in batches
-        )
-        denom = distributed.all_sum(local_tokens, self.dist, self.device)
+    def _backward_with_fallback(
+        self, batches: list[DeviceBatch], denom: float = 1.0, prefetch=None
+    ) -> tuple[float, list[str]]:
+        """Forward and backward of `batches`; a compile failure drops one compile level
+        and reruns them from zeroed gradients. Returns the summed loss and the fallbacks."""
         fallbacks = []
         while True:
             self.optimizer.zero_grad(set_to_none=True)
             try:
-                loss_sum = self._forward_backward(batches, max(denom, 1.0))
+                loss_sum = self._forward_backward(batches, denom)
                 if prefetch:
                     prefetch()  # host work overlaps the kernels just queued
                 loss_sum = float(loss_sum)
@@ -400,6 +401,14 @@ class Trainer:
                 fallbacks.append(note)
                 self.fallbacks.append(note)
                 self.compiled = compile_policy.compile_model(self.module, self.compile_mode)
+        return loss_sum, fallbacks
+
+    def train_step(self, batches: list[DeviceBatch], prefetch=None) -> StepResult:
+        local_tokens = sum(
+            b.loss_tokens if b.loss_tokens >= 0 else int(b.loss_mask.sum()) for b in batches
+        )
+        denom = distributed.all_sum(local_tokens, self.dist, self.device)
+        loss_sum, fallbacks = self._backward_with_fallback(batches, max(denom, 1.0), prefetch)
         loss = distributed.all_sum(loss_sum, self.dist, self.device) / max(denom, 1.0)
         for g in self.optimizer.param_groups:
             g["lr"] = lr_at(self.step, self.cfg)
@@ -424,6 +433,59 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         tokens = sum(b.input_ids.numel() for b in batches) * self.dist.world_size
         return StepResult(loss, grad_norm, int(denom), tokens, reason, fallbacks)
+
+    # ---- compile warm-up ------------------------------------------------------------------
+    def warm_up_shapes(self) -> list[tuple[int, int]]:
+        """Every (rows, seq_len) the loader can produce: one in pack mode, one per bucket."""
+        d = self.cfg.data
+        if d.mode == "pack":
+            return [(d.batch_size, d.seq_len)]
+        return [(max(1, d.token_budget // n), n) for n in sorted(d.bucket_lengths)]
+
+    def warm_up(self) -> None:
+        """Compiles every shape on every rank before the timed loop (so no rank races ahead
+        into a collective while another compiles), on synthetic ids from a private
+        generator: no loader batch, no global RNG draw, no optimizer step is spent."""
+        if self.compile_mode == "eager":
+            return
+        cache = self.run_dir / "compile-artifacts.bin"
+        loaded = compile_policy.load_cache_artifacts(cache)
+        t0 = time.perf_counter()
+        g = torch.Generator(device=self.device).manual_seed(0)
+        for rows, seq in self.warm_up_shapes():
+            ids = torch.randint(
+                0, self.cfg.model.vocab_size, (rows, seq + 1), device=self.device, generator=g
+            )
+            doc = torch.zeros(rows, seq, dtype=torch.int32, device=self.device)
+            b = DeviceBatch(
+                input_ids=ids[:, :-1].int(),
+                targets=ids[:, 1:],
+                position_ids=torch.arange(seq, device=self.device).expand(rows, seq).int(),
+                doc_ids=doc,
+                loss_mask=torch.ones(rows, seq, dtype=torch.bool, device=self.device),
+                epoch=0,
+                doc_tokens=0,
+                pad_tokens=0,
+            )
+            self.train_step_dry(b)
+        distributed.barrier(self.dist)
+        self.expected_graphs = compile_policy.compiled_graphs()
+        if self.dist.is_main and not loaded:
+            compile_policy.save_cache_artifacts(cache)
+        self.say(
+            f"compile warm-up: {len(self.warm_up_shapes())} shape(s) in {time.perf_counter() - t0:.1f}s"
+            + (" (cache artifacts loaded)" if loaded else "")
+        )
+
+    def train_step_dry(self, b: DeviceBatch) -> None:
+        """Forward and backward through the compiled module with the fallback in force,
+        then the gradients are dropped."""
+        saved, self.inject_compile_failure = self.inject_compile_failure, None
+        try:
+            self._backward_with_fallback([b])
+        finally:
+            self.inject_compile_failure = saved
+            self.optimizer.zero_grad(set_to_none=True)
 
     # ---- evaluation and the loop ----------------------------------------------------------
     @torch.no_grad()
@@ -467,6 +529,7 @@ class Trainer:
         self._next = None  # (micro-batches, wait) fetched during the previous step
         cpu_start = loader_cpu_seconds()
         first_step = self.step
+        self.warm_up()
         while self.step < cfg.max_steps:
             if cfg.halt_after and self.step - first_step >= cfg.halt_after:
                 break
@@ -505,6 +568,11 @@ class Trainer:
         if not (cfg.ckpt_every and self.step % cfg.ckpt_every == 0):
             self.save_checkpoint()
         graphs = compile_policy.compiled_graphs() if self.compile_mode != "eager" else 0
+        if not self.dist.enabled and 0 <= self.expected_graphs < graphs:
+            self.say(
+                f"warning: {graphs - self.expected_graphs} recompile(s) after warm-up ({graphs} graphs, warm-up made "
+                f"{self.expected_graphs}); shapes or guards changed during training (see TORCH_LOGS=recompiles)"
+            )
         self.log.text(
             f"compiled graphs: {graphs}; compile mode at the end: {self.compile_mode}; fallbacks: {len(self.fallbacks)}"
         )

@@ -208,3 +208,51 @@ def test_compile_policy_avoids_known_bad_combinations(monkeypatch):
         "TORCH_COMPILE_DISABLE_CUDAGRAPHS"
         in decide("reduce-overhead", True, cuda, False, False, False).reason
     )
+
+
+def test_warm_up_visits_every_bucket_shape_without_touching_data_or_rng(small_corpus, tmp_path):
+    plain = Trainer(
+        small_cfg(
+            small_corpus,
+            tmp_path / "plain",
+            "--max_steps",
+            "4",
+            "--data.mode",
+            "bucket",
+            "--data.bucket_lengths",
+            "16",
+            "32",
+            "64",
+            "--data.token_budget",
+            "256",
+        )
+    )
+    want = plain.fit()["losses"]
+    plain.close()
+    t = Trainer(
+        small_cfg(
+            small_corpus,
+            tmp_path / "warm",
+            "--max_steps",
+            "4",
+            "--data.mode",
+            "bucket",
+            "--data.bucket_lengths",
+            "16",
+            "32",
+            "64",
+            "--data.token_budget",
+            "256",
+        )
+    )
+    assert t.warm_up_shapes() == [(16, 16), (8, 32), (4, 64)]
+    seen = []
+    real = t._forward_backward
+    t._forward_backward = lambda batches, denom: (
+        seen.append(tuple(batches[0].input_ids.shape)) or real(batches, denom)
+    )
+    t.compile_mode = "default"  # pretend compiled, so the warm-up runs (the module stays eager)
+    got = t.fit()["losses"]
+    assert seen[:3] == [(16, 16), (8, 32), (4, 64)]
+    assert got == want  # no batch consumed, no RNG drawn, no update applied
+    t.close()
