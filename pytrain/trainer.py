@@ -17,7 +17,7 @@ from torch import nn
 
 from pytrain import checkpoint, compile_policy, distributed
 from pytrain.config import TrainConfig, to_dict
-from pytrain.data import DeviceBatch, TokenLoader
+from pytrain.data import DeviceBatch, HostBatch, TokenLoader
 from pytrain.metrics import RunLog, flops_per_token, loader_cpu_seconds, peak_flops
 from pytrain.model import GPT
 
@@ -451,22 +451,26 @@ class Trainer:
         cache = self.run_dir / "compile-artifacts.bin"
         loaded = compile_policy.load_cache_artifacts(cache)
         t0 = time.perf_counter()
-        g = torch.Generator(device=self.device).manual_seed(0)
+        g = torch.Generator().manual_seed(0)  # private: the global RNG is not drawn from
         for rows, seq in self.warm_up_shapes():
-            ids = torch.randint(
-                0, self.cfg.model.vocab_size, (rows, seq + 1), device=self.device, generator=g
-            )
-            doc = torch.zeros(rows, seq, dtype=torch.int32, device=self.device)
-            b = DeviceBatch(
-                input_ids=ids[:, :-1].int(),
-                targets=ids[:, 1:],
-                position_ids=torch.arange(seq, device=self.device).expand(rows, seq).int(),
-                doc_ids=doc,
-                loss_mask=torch.ones(rows, seq, dtype=torch.bool, device=self.device),
+            # Built like a loader batch (slot-shaped host tensors, the same copy path), so
+            # the compiled graphs see the same dtypes, shapes and strides as training.
+            host = HostBatch(
+                tokens=torch.randint(
+                    0, self.cfg.model.vocab_size, (rows, seq + 1), dtype=torch.int32, generator=g
+                ),
+                position_ids=torch.arange(seq + 1, dtype=torch.int32)
+                .expand(rows, seq + 1)
+                .contiguous(),
+                doc_ids=torch.zeros(rows, seq + 1, dtype=torch.int32),
+                loss_mask=torch.ones(rows, seq + 1, dtype=torch.uint8),
                 epoch=0,
                 doc_tokens=0,
                 pad_tokens=0,
+                _slot=-1,
+                _loader=None,
             )
+            b = host.to(self.device)
             self.train_step_dry(b)
         distributed.barrier(self.dist)
         self.expected_graphs = compile_policy.compiled_graphs()
