@@ -394,7 +394,10 @@ impl Loader {
         let mut threads = Vec::new();
         for i in 0..shared.config.threads {
             let sh = shared.clone();
-            threads.push(spawn(format!("ptl-worker-{i}"), Box::new(move || worker(&sh)))?);
+            threads.push(spawn(
+                format!("ptl-worker-{i}"),
+                Box::new(move || worker(&sh)),
+            )?);
         }
         let (sh, sl) = (shared.clone(), slots.clone());
         threads.push(spawn(
