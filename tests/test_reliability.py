@@ -23,12 +23,13 @@ from kill_resume_sweep import kill_and_resume, losses_by_step, same_final_params
 def test_sigkill_at_random_points_then_resume_matches_uninterrupted(small_corpus, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     steps = 160
+    train, val = small_corpus
     ref = subprocess.run(
-        train_cmd(small_corpus, tmp_path / "ref", steps), capture_output=True, text=True, env=env
+        train_cmd(train, val, tmp_path / "ref", steps), capture_output=True, text=True, env=env
     )
     assert ref.returncode == 0, ref.stderr[-3000:]
     kills = kill_and_resume(
-        train_cmd(small_corpus, tmp_path / "killed", steps), kills=3, seed=1, env=env
+        train_cmd(train, val, tmp_path / "killed", steps), kills=3, seed=1, env=env
     )
     assert kills == 3
     want = losses_by_step(tmp_path / "ref" / "k" / "train.log")
