@@ -143,6 +143,9 @@ def main() -> int:
     p.add_argument(
         "--work", type=Path, default=Path(tempfile.gettempdir()) / "pytrain-bench-loader"
     )
+    p.add_argument(
+        "--plot", type=Path, default=None, help="write a bar chart of tokens/s per core here (PNG)"
+    )
     args = p.parse_args()
     pin = torch.cuda.is_available()
     path = args.work / f"synthetic-{args.docs}"
@@ -183,7 +186,34 @@ def main() -> int:
         if k.startswith("ours")
     )
     print(f"ours per core / best baseline per core: {ours_pc / best_baseline:.1f}x")
+    if args.plot:
+        medians = {
+            k: sorted(r["per_core"] for r in rs)[len(rs) // 2] / 1e6 for k, rs in results.items()
+        }
+        title = f"tokens/s per core into {'pinned' if pin else 'plain'} memory, {os.cpu_count()} cores, batch {args.batch} x {args.seq + 1}"
+        bar_chart(medians, "M tokens/s per CPU core (median)", title, args.plot)
     return 0
+
+
+def bar_chart(values: dict[str, float], xlabel: str, title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 0.6 * len(values) + 1.5))
+    names = list(values)[::-1]
+    bars = ax.barh(
+        names,
+        [values[n] for n in names],
+        color=["tab:blue" if n.startswith("ours") else "tab:gray" for n in names],
+    )
+    ax.bar_label(bars, fmt="%.1f", padding=3)
+    ax.set_xlabel(xlabel)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"plot: {path}")
 
 
 if __name__ == "__main__":

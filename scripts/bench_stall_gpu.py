@@ -126,6 +126,9 @@ def main() -> int:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--docs", type=int, default=100_000)
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "pytrain-bench-stall")
+    p.add_argument(
+        "--plot", type=Path, default=None, help="write the step-time breakdown here (PNG)"
+    )
     args = p.parse_args()
     device = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -169,7 +172,35 @@ def main() -> int:
         print(
             f"| {r['name']} | {r['step_ms']:.2f} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base['tokens_per_s']:.3f} | {r['wait_share']:.2%} |"
         )
+    if args.plot:
+        title = f"{args.layers} layers, d {args.d_model}, {args.batch} x {args.seq}, {torch.cuda.get_device_name()}"
+        plot_breakdown(results, args.plot, title)
     return 0
+
+
+def plot_breakdown(results: list[dict], path: Path, title: str) -> None:
+    """Stacked bars: GPU busy and GPU waiting for data per step (ms), per data source."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["name"] for r in results][::-1]
+    step = [r["step_ms"] for r in results][::-1]
+    wait = [r["step_ms"] * r["wait_share"] for r in results][::-1]
+    busy = [s - w for s, w in zip(step, wait, strict=True)]
+    fig, ax = plt.subplots(figsize=(8, 0.6 * len(names) + 1.5))
+    ax.barh(names, busy, label="GPU busy", color="tab:blue")
+    ax.barh(names, wait, left=busy, label="GPU waiting for data", color="tab:red")
+    for i, (s, w) in enumerate(zip(step, wait, strict=True)):
+        ax.text(s, i, f" {s:.2f} ms ({w / s:.2%} wait)", va="center", fontsize=8)
+    ax.set_xlabel("step time (ms, median; CUDA events)")
+    ax.set_xlim(0, max(step) * 1.35)
+    ax.legend(loc="lower right", fontsize=8)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"plot: {path}")
 
 
 if __name__ == "__main__":
