@@ -231,8 +231,8 @@ def main() -> int:
     print("| loader | M tokens/s | M tokens/s per core | first batch s | peak RSS MB | disk MB |")
     print("|---|---|---|---|---|---|")
     for name, rs in rows.items():
-        med = lambda k: sorted(r[k] for r in rs)[len(rs) // 2]  # noqa: E731
-        lo = lambda k: min(r[k] for r in rs)  # noqa: E731
+        med = lambda k, rs=rs: sorted(r[k] for r in rs)[len(rs) // 2]  # noqa: E731
+        lo = lambda k, rs=rs: min(r[k] for r in rs)  # noqa: E731
         disk = sum(f.stat().st_size for f in paths[name].rglob("*") if f.is_file()) / 1e6
         print(
             f"| {name} | {lo('tokens_per_s') / 1e6:.1f} / {med('tokens_per_s') / 1e6:.1f} | {lo('per_core') / 1e6:.1f} / {med('per_core') / 1e6:.1f} | {med('first_batch_s'):.2f} | {med('peak_rss_mb'):,.0f} | {disk:,.1f} |"
