@@ -127,24 +127,28 @@ def reader(name: str, path: Path, seq: int, batch: int):
         )
 
 
+def cpu_seconds() -> float:
+    """CPU time of this process and its (finished) worker processes."""
+    return sum(
+        getattr(resource.getrusage(w), f)
+        for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+        for f in ("ru_utime", "ru_stime")
+    )
+
+
 def measure_child(name: str, path: Path, seq: int, batch: int, n: int) -> dict:
     t0 = time.perf_counter()
     it = reader(name, path, seq, batch)
     first = next(it)
     t_first = time.perf_counter() - t0
     assert tuple(first.shape) == (batch, seq + 1), first.shape
-    ru = lambda: sum(
-        getattr(resource.getrusage(w), f)
-        for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
-        for f in ("ru_utime", "ru_stime")
-    )  # noqa: E731
-    c0, t1 = ru(), time.perf_counter()
+    c0, t1 = cpu_seconds(), time.perf_counter()
     got = 0
     for _ in range(n):
         got += next(it).numel()
     wall = time.perf_counter() - t1
     del it
-    cpu = ru() - c0
+    cpu = cpu_seconds() - c0
     rss = (
         max(
             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
