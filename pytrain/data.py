@@ -67,6 +67,13 @@ class LoaderConfig:
     """Leave out frames that fail their checksum (counted in stats()["frames_skipped"])
     instead of raising CorruptShardError."""
 
+    def batch_shapes(self) -> list[tuple[int, int]]:
+        """Every (rows, seq_len) a batch can have: one in pack mode, one per bucket (a
+        batch of bucket L has max(1, token_budget // L) rows of L + 1 tokens)."""
+        if self.mode == "pack":
+            return [(self.batch_size, self.seq_len)]
+        return [(max(1, self.token_budget // n), n) for n in sorted(self.bucket_lengths)]
+
 
 @dataclass
 class HostBatch:
@@ -198,10 +205,7 @@ class TokenLoader:
         self._start()
 
     def _slot_elems(self) -> int:
-        c = self.config
-        if c.mode == "pack":
-            return (c.seq_len + 1) * c.batch_size
-        return max(max(1, c.token_budget // n) * (n + 1) for n in c.bucket_lengths)
+        return max(rows * (seq + 1) for rows, seq in self.config.batch_shapes())
 
     def _start(self) -> None:
         c = self.config

@@ -29,7 +29,6 @@ def samples(trainer, n: int, tokens: int) -> list[str]:
     eos = tok.token_to_id("<|endoftext|>")
     prompts = ["def ", "class ", "import ", '"""', "for ", "    return "][:n]
     out = []
-    gen = torch.Generator(device=trainer.device).manual_seed(0)
     torch.manual_seed(0)
     trainer.gpt.eval()
     for p in prompts:
@@ -41,7 +40,6 @@ def samples(trainer, n: int, tokens: int) -> list[str]:
         ):
             ids = trainer.gpt.generate(ids, tokens, stop=eos)
         out.append(tok.decode(ids[0].tolist()))
-    del gen
     return out
 
 

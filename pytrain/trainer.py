@@ -57,7 +57,7 @@ def choose_precision(requested: str, device: torch.device) -> Precision:
     raise ValueError(f"precision {requested!r} is not auto, bf16, fp16 or fp32")
 
 
-def checkpoint_every(spec: str, n_layer: int) -> int:
+def checkpoint_every(spec: str) -> int:
     if spec == "off":
         return 0
     if spec == "full":
@@ -168,14 +168,16 @@ class Trainer:
         self.precision = choose_precision(cfg.precision, self.device)
         self.train_path, self.val_path = self._datasets()
         self.loader = self._loader(self.train_path)
-        vocab = self.loader.dataset_vocab
+        from pytrain.shards import read_manifest
+
+        vocab = int(read_manifest(self.train_path)["tokenizer"]["vocab_size"])
         if cfg.model.vocab_size < vocab:
             cfg.model.vocab_size = vocab
         cfg.model.max_seq_len = max(
             cfg.model.max_seq_len, cfg.data.seq_len, max(cfg.data.bucket_lengths)
         )
         self.gpt = GPT(cfg.model).to(self.device)
-        ckpt_every = checkpoint_every(cfg.activation_checkpointing, cfg.model.n_layer)
+        ckpt_every = checkpoint_every(cfg.activation_checkpointing)
         self.gpt.set_activation_checkpointing(ckpt_every)
         self.module = distributed.wrap(LossModule(self.gpt), self.dist, self.device, cfg.fsdp)
         self.optimizer = make_optimizer(self.gpt, cfg, self.device)
@@ -260,9 +262,6 @@ class Trainer:
             rank=0 if eval_mode else self.dist.rank,
             world_size=1 if eval_mode else self.dist.world_size,
         )
-        from pytrain.shards import read_manifest
-
-        loader.dataset_vocab = int(read_manifest(path)["tokenizer"]["vocab_size"])
         return loader
 
     # ---- checkpoints ----------------------------------------------------------------------
@@ -437,10 +436,7 @@ class Trainer:
     # ---- compile warm-up ------------------------------------------------------------------
     def warm_up_shapes(self) -> list[tuple[int, int]]:
         """Every (rows, seq_len) the loader can produce: one in pack mode, one per bucket."""
-        d = self.cfg.data
-        if d.mode == "pack":
-            return [(d.batch_size, d.seq_len)]
-        return [(max(1, d.token_budget // n), n) for n in sorted(d.bucket_lengths)]
+        return self.loader.config.batch_shapes()
 
     def warm_up(self) -> None:
         """Compiles every shape on every rank before the timed loop (so no rank races ahead

@@ -211,40 +211,11 @@ def test_compile_policy_avoids_known_bad_combinations(monkeypatch):
 
 
 def test_warm_up_visits_every_bucket_shape_without_touching_data_or_rng(small_corpus, tmp_path):
-    plain = Trainer(
-        small_cfg(
-            small_corpus,
-            tmp_path / "plain",
-            "--max_steps",
-            "4",
-            "--data.mode",
-            "bucket",
-            "--data.bucket_lengths",
-            "16",
-            "32",
-            "64",
-            "--data.token_budget",
-            "256",
-        )
-    )
+    bucket = ("--max_steps", "4", "--data.mode", "bucket", "--data.bucket_lengths", "16", "32", "64", "--data.token_budget", "256")  # fmt: skip
+    plain = Trainer(small_cfg(small_corpus, tmp_path / "plain", *bucket))
     want = plain.fit()["losses"]
     plain.close()
-    t = Trainer(
-        small_cfg(
-            small_corpus,
-            tmp_path / "warm",
-            "--max_steps",
-            "4",
-            "--data.mode",
-            "bucket",
-            "--data.bucket_lengths",
-            "16",
-            "32",
-            "64",
-            "--data.token_budget",
-            "256",
-        )
-    )
+    t = Trainer(small_cfg(small_corpus, tmp_path / "warm", *bucket))
     assert t.warm_up_shapes() == [(16, 16), (8, 32), (4, 64)]
     seen = []
     real = t._forward_backward
