@@ -11,17 +11,21 @@ use rust_loader::block::{read_block, Decoder, Mode};
 use rust_loader::dataset::Dataset;
 use rust_loader::loader::{Loader, LoaderConfig, Position, SlotBuffers};
 use rust_loader::pack::{bucket_batches, pack_rows, BucketSpec, PackStrategy};
-use rust_loader::rows::{BufferPool, RowPlan, RowSlicesMut, Rows};
+use rust_loader::rows::{BufferPool, RowPlan, RowSlicesMut};
 use rust_loader::synthetic::{write_synthetic, SyntheticSpec};
 
-fn data() -> Arc<Dataset> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/bench-data/lognormal-200k");
+/// The synthetic corpus with frames at zstd `level` (3: pack-shards' default; -1: literals
+/// stored raw, decoded ~3x faster, ~1.4x larger).
+fn data(level: i32) -> Arc<Dataset> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join(format!("target/bench-data/lognormal-200k-zstd{level}"));
     if !dir.join("manifest.json").exists() {
         let _ = std::fs::remove_dir_all(&dir);
         let spec = SyntheticSpec {
             documents: 200_000,
             mu: 6.0,
             sigma: 1.0,
+            level,
             ..Default::default()
         };
         write_synthetic(&dir, &spec).unwrap();
@@ -30,31 +34,31 @@ fn data() -> Arc<Dataset> {
 }
 
 fn block_ops(c: &mut Criterion) {
-    let ds = data();
     let frames: Vec<u64> = (0..4).collect();
     let pool = BufferPool::default();
+    let ds = data(3);
     let docs = read_block(&ds, &frames, &mut Decoder::new(), &pool).unwrap();
     let tokens = docs.n_tokens();
     let mut g = c.benchmark_group("block");
     g.throughput(Throughput::Elements(tokens));
-    g.bench_function("decode_4_frames", |b| {
-        let mut dec = Decoder::new();
-        b.iter(|| pool.give_frames(read_block(&ds, &frames, &mut dec, &pool).unwrap().frames))
-    });
+    for level in [3, -1] {
+        let ds = data(level);
+        g.bench_function(format!("decode_4_frames_zstd{level}"), |b| {
+            let mut dec = Decoder::new();
+            b.iter(|| pool.give_frames(read_block(&ds, &frames, &mut dec, &pool).unwrap().frames))
+        });
+    }
     // Planning plus writing every row into slot-sized arrays: the loader's whole
     // per-token work after decoding.
-    let mut out = Rows::default();
+    let mut tokens = Vec::new();
+    let mut doc_ids = Vec::new();
     let mut write_all = |plan: &RowPlan| {
         let n = plan.n_rows() * plan.width;
-        for v in [&mut out.tokens, &mut out.position_ids, &mut out.doc_ids] {
-            v.resize(n, 0);
-        }
-        out.loss_mask.resize(n, 0);
+        tokens.resize(n * docs.dtype.width(), 0u8);
+        doc_ids.resize(n, 0i32);
         let mut dst = RowSlicesMut {
-            tokens: &mut out.tokens,
-            position_ids: &mut out.position_ids,
-            doc_ids: &mut out.doc_ids,
-            loss_mask: &mut out.loss_mask,
+            tokens: &mut tokens,
+            doc_ids: &mut doc_ids,
         };
         for r in 0..plan.n_rows() {
             plan.write_row(r, &docs, &mut dst, r);
@@ -91,18 +95,19 @@ fn block_ops(c: &mut Criterion) {
 }
 
 fn full_loader(c: &mut Criterion) {
-    let ds = data();
     let batch = 16usize;
     let seq = 2048usize;
     let mut g = c.benchmark_group("loader_pack_2048x16");
     g.throughput(Throughput::Elements((batch * (seq + 1) * 64) as u64));
     g.sample_size(10);
-    for threads in [
-        1usize,
-        2,
-        std::thread::available_parallelism().map_or(4, |n| n.get()),
-    ] {
-        g.bench_function(format!("threads_{threads}"), |b| {
+    let n = std::thread::available_parallelism().map_or(4, |n| n.get());
+    let mut runs = vec![(3, 1usize), (3, 2), (-1, 1), (-1, 2)];
+    if n > 2 {
+        runs.extend([(3, n), (-1, n)]);
+    }
+    for (level, threads) in runs {
+        let ds = data(level);
+        g.bench_function(format!("zstd{level}_threads_{threads}"), |b| {
             let cfg = LoaderConfig {
                 mode: Mode::Pack {
                     seq_len: seq,
@@ -120,7 +125,7 @@ fn full_loader(c: &mut Criterion) {
                 skip_corrupt: false,
             };
             let slots = (0..4)
-                .map(|_| SlotBuffers::owned(cfg.slot_elems()))
+                .map(|_| SlotBuffers::owned(cfg.slot_elems(), ds.dtype))
                 .collect();
             let loader = Loader::new(ds.clone(), cfg, slots, Position::default()).unwrap();
             b.iter(|| {

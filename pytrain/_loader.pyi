@@ -50,7 +50,7 @@ class Loader:
     def __init__(
         self,
         dataset: Dataset,
-        slots: list[tuple[Any, Any, Any, Any]],
+        slots: list[tuple[Any, Any]],
         *,
         mode: str,
         seq_len: int,
@@ -69,8 +69,10 @@ class Loader:
         skip_corrupt: bool = ...,
         state: dict[str, Any] | None = None,
     ) -> None: ...
-    def next(self) -> tuple[int, int, int, int, int, int] | None:
-        """(slot, rows, width, epoch, doc_tokens, pad_tokens), or None after the last epoch."""
+    def next(self) -> tuple[int, int, int, int, int, int, int] | None:
+        """(slot, rows, width, epoch, doc_tokens, pad_tokens, pieces), or None after the
+        last epoch. Slots are (tokens, doc_ids) CPU tensors: tokens of the dataset's width
+        (uint16 or int32), doc_ids int32."""
     def release(self, slot: int) -> None: ...
     def state(self) -> dict[str, Any]: ...
     def stats(self) -> dict[str, Any]: ...
@@ -89,5 +91,6 @@ def write_synthetic(
     frame_bytes: int = ...,
     docs_per_shard: int = ...,
     seed: int = ...,
+    level: int = ...,
 ) -> int:
     """Writes a synthetic dataset (log-normal lengths, Zipf ids); returns its token count."""

@@ -23,6 +23,9 @@ from pytrain._loader import CorruptShardError, LoaderError, ManifestError, State
 
 __all__ = [
     "TokenLoader",
+    "position_ids",
+    "loss_mask",
+    "token_ids",
     "LoaderConfig",
     "HostBatch",
     "DeviceBatch",
@@ -75,18 +78,50 @@ class LoaderConfig:
         return [(max(1, self.token_budget // n), n) for n in sorted(self.bucket_lengths)]
 
 
+def position_ids(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Position ids of (rows, width) document ids: 0, 1, ... from the first token of each
+    run of equal ids (a piece of one document), 0 on padding (-1). Same definition as
+    `rust_loader::rows::position_ids`; a few small kernels on the GPU."""
+    rows, width = doc_ids.shape
+    idx = torch.arange(width, dtype=torch.int32, device=doc_ids.device).expand(rows, width)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    first = torch.where(starts, idx, 0).cummax(dim=1).values
+    return torch.where(doc_ids >= 0, idx - first, 0)
+
+
+def loss_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """True at t when token t+1 is the next token of the same piece, so the prediction
+    made at t is trained; False at a piece's last token, the row's last token and on
+    padding. Same definition as `rust_loader::rows::loss_mask`."""
+    mask = torch.zeros_like(doc_ids, dtype=torch.bool)
+    mask[:, :-1] = (doc_ids[:, :-1] == doc_ids[:, 1:]) & (doc_ids[:, :-1] >= 0)
+    return mask
+
+
+def token_ids(tokens: torch.Tensor) -> torch.Tensor:
+    """int32 ids from slot tokens (uint16 or int32). uint16 goes through an int16 view,
+    whose conversion every torch backend implements, and the sign bits are masked off."""
+    if tokens.dtype == torch.uint16:
+        return tokens.view(torch.int16).to(torch.int32) & 0xFFFF
+    return tokens.to(torch.int32)
+
+
 @dataclass
 class HostBatch:
-    """A batch in a loader slot. `tokens` etc. are views of the slot (no copy): valid
-    until `release()`. Rows hold seq_len+1 tokens: inputs are [:, :-1], targets [:, 1:]."""
+    """A batch in a loader slot. `tokens` (the dataset's dtype: uint16 or int32) and
+    `doc_ids` (int32, -1 on padding) are views of the slot (no copy): valid until
+    `release()`. Rows hold seq_len+1 tokens: inputs are [:, :-1], targets [:, 1:].
+    `position_ids` and `loss_mask` are derived from `doc_ids` (on the host here; `.to()`
+    derives them on the device, after a copy of tokens and doc ids only)."""
 
     tokens: torch.Tensor
-    position_ids: torch.Tensor
     doc_ids: torch.Tensor
-    loss_mask: torch.Tensor
     epoch: int
     doc_tokens: int
     pad_tokens: int
+    pieces: int
+    """Runs of one document in the batch; each one's last token has no target."""
     _slot: int
     _loader: _loader.Loader | None
 
@@ -99,9 +134,18 @@ class HostBatch:
         return self.tokens[:, 1:]
 
     @property
+    def position_ids(self) -> torch.Tensor:
+        return position_ids(self.doc_ids)
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        return loss_mask(self.doc_ids)
+
+    @property
     def loss_tokens(self) -> int:
-        """Targets that count in the loss (mask is 1)."""
-        return int(self.loss_mask[:, :-1].sum())
+        """Targets that count in the loss (where the loss mask is true), known without
+        reading the batch: every document token but each piece's last."""
+        return self.doc_tokens - self.pieces
 
     def release(self) -> None:
         """Gives the slot back to the loader; the views must not be used afterwards."""
@@ -163,13 +207,15 @@ class DeviceBatch:
 
     @staticmethod
     def of(b: HostBatch, move) -> DeviceBatch:
-        tokens = move(b.tokens)
+        """Moves tokens and doc ids with `move`, then derives the rest where they landed."""
+        ids = token_ids(move(b.tokens))
+        doc_ids = move(b.doc_ids)
         return DeviceBatch(
-            input_ids=tokens[:, :-1],
-            targets=tokens[:, 1:].long(),
-            position_ids=move(b.position_ids)[:, :-1],
-            doc_ids=move(b.doc_ids)[:, :-1],
-            loss_mask=move(b.loss_mask)[:, :-1].bool(),
+            input_ids=ids[:, :-1],
+            targets=ids[:, 1:].long(),
+            position_ids=position_ids(doc_ids)[:, :-1],
+            doc_ids=doc_ids[:, :-1],
+            loss_mask=loss_mask(doc_ids)[:, :-1],
             epoch=b.epoch,
             doc_tokens=b.doc_tokens,
             pad_tokens=b.pad_tokens,
@@ -213,13 +259,15 @@ class TokenLoader:
         n = self._slot_elems()
         # Fresh slot memory on every (re)start: batches still held from an earlier start
         # keep their own memory and are never overwritten.
+        token_dtype = torch.uint16 if self.dataset.dtype == "uint16" else torch.int32
         self._slots = [
-            tuple(
-                torch.empty(n, dtype=dt, pin_memory=pin)
-                for dt in (torch.int32, torch.int32, torch.int32, torch.uint8)
+            (
+                torch.empty(n, dtype=token_dtype, pin_memory=pin),
+                torch.empty(n, dtype=torch.int32, pin_memory=pin),
             )
             for _ in range(c.slots)
         ]
+        self._view_cache: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._inner = None  # stop the old threads before starting new ones
         self._inner = _loader.Loader(
             self.dataset,
@@ -249,10 +297,18 @@ class TokenLoader:
         got = self._inner.next()
         if got is None:
             raise StopIteration
-        slot, rows, width, epoch, doc_tokens, pad_tokens = got
-        n = rows * width
-        t, p, d, m = (x[:n].view(rows, width) for x in self._slots[slot])
-        return HostBatch(t, p, d, m, epoch, doc_tokens, pad_tokens, slot, self._inner)
+        slot, rows, width, epoch, doc_tokens, pad_tokens, pieces = got
+        t, d = self._views(slot, rows, width)
+        return HostBatch(t, d, epoch, doc_tokens, pad_tokens, pieces, slot, self._inner)
+
+    def _views(self, slot: int, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, width) views of a slot's arrays, made once per slot and shape: a batch
+        costs no tensor creation (it was a sixth of the loader's CPU time)."""
+        key = (slot, rows, width)
+        if key not in self._view_cache:
+            n = rows * width
+            self._view_cache[key] = tuple(x[:n].view(rows, width) for x in self._slots[slot])
+        return self._view_cache[key]
 
     def state_dict(self) -> dict:
         """Where the next batch starts: a few integers plus dataset/config fingerprints."""

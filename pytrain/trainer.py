@@ -455,14 +455,11 @@ class Trainer:
                 tokens=torch.randint(
                     0, self.cfg.model.vocab_size, (rows, seq + 1), dtype=torch.int32, generator=g
                 ),
-                position_ids=torch.arange(seq + 1, dtype=torch.int32)
-                .expand(rows, seq + 1)
-                .contiguous(),
                 doc_ids=torch.zeros(rows, seq + 1, dtype=torch.int32),
-                loss_mask=torch.ones(rows, seq + 1, dtype=torch.uint8),
                 epoch=0,
-                doc_tokens=0,
+                doc_tokens=rows * (seq + 1),
                 pad_tokens=0,
+                pieces=rows,
                 _slot=-1,
                 _loader=None,
             )

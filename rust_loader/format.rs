@@ -70,21 +70,11 @@ impl TokenDtype {
         }
     }
 
-    /// Widens a run of little-endian tokens into `out` (same length as the run).
-    #[inline]
-    pub fn widen_into(self, bytes: &[u8], out: &mut [i32]) {
-        match self {
-            TokenDtype::U16 => {
-                for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                    *o = u16::from_le_bytes([c[0], c[1]]) as i32;
-                }
-            }
-            TokenDtype::U32 => {
-                for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
-                    *o = u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i32;
-                }
-            }
-        }
+    /// All tokens of a little-endian token byte string (tests and tools).
+    pub fn to_u32s(self, bytes: &[u8]) -> Vec<u32> {
+        (0..bytes.len() / self.width())
+            .map(|i| self.get(bytes, i))
+            .collect()
     }
 }
 

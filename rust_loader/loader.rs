@@ -17,6 +17,7 @@ use crossbeam_channel::{bounded, select, unbounded, Receiver, Sender};
 use crate::block::{make_block, Block, BlockOutput, Decoder, Mode};
 use crate::dataset::Dataset;
 use crate::error::{Error, Result};
+use crate::format::TokenDtype;
 use crate::order::{seed_of, RankOrder};
 use crate::pack::PackStrategy;
 use crate::rows::{write_padding, BlockDocs, BufferPool, RowPlan, RowSlicesMut};
@@ -133,13 +134,13 @@ pub struct LoaderState {
     pub position: Position,
 }
 
-/// Memory of one batch slot. The memory may belong to Python (pinned torch tensors), so
-/// it is held by raw pointers plus an owner that keeps it alive.
+/// Memory of one batch slot: `capacity` tokens of `token_width` bytes and as many
+/// document ids. The memory may belong to Python (pinned torch tensors), so it is held by
+/// raw pointers plus an owner that keeps it alive.
 pub struct SlotBuffers {
-    tokens: *mut i32,
-    position_ids: *mut i32,
+    tokens: *mut u8,
+    token_width: usize,
     doc_ids: *mut i32,
-    loss_mask: *mut u8,
     capacity: usize,
     _owner: Box<dyn Send>,
 }
@@ -150,33 +151,16 @@ pub struct SlotBuffers {
 unsafe impl Send for SlotBuffers {}
 unsafe impl Sync for SlotBuffers {}
 
-struct OwnedSlot {
-    _tokens: Vec<i32>,
-    _position_ids: Vec<i32>,
-    _doc_ids: Vec<i32>,
-    _loss_mask: Vec<u8>,
-}
-
 impl SlotBuffers {
     /// A slot backed by Rust-owned memory (tests, benches, machines without CUDA).
-    pub fn owned(capacity: usize) -> Self {
-        let mut o = OwnedSlot {
-            _tokens: vec![0; capacity],
-            _position_ids: vec![0; capacity],
-            _doc_ids: vec![0; capacity],
-            _loss_mask: vec![0; capacity],
-        };
-        let (t, p, d, m) = (
-            o._tokens.as_mut_ptr(),
-            o._position_ids.as_mut_ptr(),
-            o._doc_ids.as_mut_ptr(),
-            o._loss_mask.as_mut_ptr(),
-        );
+    pub fn owned(capacity: usize, dtype: TokenDtype) -> Self {
+        let token_width = dtype.width();
+        let mut o = (vec![0u8; capacity * token_width], vec![0i32; capacity]);
+        let (t, d) = (o.0.as_mut_ptr(), o.1.as_mut_ptr());
         SlotBuffers {
             tokens: t,
-            position_ids: p,
+            token_width,
             doc_ids: d,
-            loss_mask: m,
             capacity,
             _owner: Box::new(o),
         }
@@ -185,21 +169,20 @@ impl SlotBuffers {
     /// A slot over foreign memory.
     ///
     /// # Safety
-    /// Each pointer must be valid for `capacity` elements of its type, not aliased by any
-    /// other writer, and stay valid as long as `owner` is alive.
+    /// `tokens` must be valid for `capacity * token_width` bytes and `doc_ids` for
+    /// `capacity` i32s (aligned), neither aliased by any other writer, and both must stay
+    /// valid as long as `owner` is alive.
     pub unsafe fn foreign(
-        tokens: *mut i32,
-        position_ids: *mut i32,
+        tokens: *mut u8,
+        token_width: usize,
         doc_ids: *mut i32,
-        loss_mask: *mut u8,
         capacity: usize,
         owner: Box<dyn Send>,
     ) -> Self {
         SlotBuffers {
             tokens,
-            position_ids,
+            token_width,
             doc_ids,
-            loss_mask,
             capacity,
             _owner: owner,
         }
@@ -209,10 +192,8 @@ impl SlotBuffers {
     /// The caller must have exclusive access to the slot (see the ring protocol).
     unsafe fn slices_mut(&self) -> RowSlicesMut<'_> {
         RowSlicesMut {
-            tokens: std::slice::from_raw_parts_mut(self.tokens, self.capacity),
-            position_ids: std::slice::from_raw_parts_mut(self.position_ids, self.capacity),
+            tokens: std::slice::from_raw_parts_mut(self.tokens, self.capacity * self.token_width),
             doc_ids: std::slice::from_raw_parts_mut(self.doc_ids, self.capacity),
-            loss_mask: std::slice::from_raw_parts_mut(self.loss_mask, self.capacity),
         }
     }
 }
@@ -230,14 +211,25 @@ pub struct ReadyBatch {
     pub position_after: Position,
     pub doc_tokens: u64,
     pub pad_tokens: u64,
+    /// Pieces (runs of one document) in the batch. Every piece's last token has no target
+    /// in its row, so the targets that count in the loss are `doc_tokens - pieces`.
+    pub pieces: u64,
 }
 
 /// Read-only view of a held batch (Rust consumers; Python reads its own tensors).
 pub struct BatchView<'a> {
-    pub tokens: &'a [i32],
-    pub position_ids: &'a [i32],
+    /// Little-endian token bytes, `dtype.width()` per token.
+    pub token_bytes: &'a [u8],
+    pub dtype: TokenDtype,
     pub doc_ids: &'a [i32],
-    pub loss_mask: &'a [u8],
+}
+
+impl BatchView<'_> {
+    pub fn tokens(&self) -> Vec<u32> {
+        (0..self.doc_ids.len())
+            .map(|i| self.dtype.get(self.token_bytes, i))
+            .collect()
+    }
 }
 
 /// Running totals, readable at any time.
@@ -329,8 +321,15 @@ impl Loader {
         let need = config.slot_elems();
         if let Some(s) = slots.iter().find(|s| s.capacity < need) {
             return Err(Error::InvalidArgument(format!(
-                "a slot holds {} elements, the batch shape needs {need}",
+                "a slot holds {} tokens, the batch shape needs {need}",
                 s.capacity
+            )));
+        }
+        let width = ds.dtype.width();
+        if let Some(s) = slots.iter().find(|s| s.token_width != width) {
+            return Err(Error::InvalidArgument(format!(
+                "slot tokens are {} bytes wide, the dataset's tokens {width}",
+                s.token_width
             )));
         }
         let order = RankOrder {
@@ -484,10 +483,9 @@ impl Loader {
         // until it is released, and `n` is within the slot's capacity.
         unsafe {
             BatchView {
-                tokens: std::slice::from_raw_parts(s.tokens, n),
-                position_ids: std::slice::from_raw_parts(s.position_ids, n),
+                token_bytes: std::slice::from_raw_parts(s.tokens, n * s.token_width),
+                dtype: self.shared.ds.dtype,
                 doc_ids: std::slice::from_raw_parts(s.doc_ids, n),
-                loss_mask: std::slice::from_raw_parts(s.loss_mask, n),
             }
         }
     }
@@ -720,6 +718,7 @@ struct Filling {
     epoch: u64,
     doc_tokens: u64,
     pad_tokens: u64,
+    pieces: u64,
 }
 
 impl Filling {
@@ -732,6 +731,7 @@ impl Filling {
             epoch,
             doc_tokens: 0,
             pad_tokens: 0,
+            pieces: 0,
         }
     }
 
@@ -744,6 +744,7 @@ impl Filling {
         let real = plan.row_tokens(r);
         self.doc_tokens += real;
         self.pad_tokens += plan.width as u64 - real;
+        self.pieces += plan.row(r).len() as u64;
         self.rows += 1;
     }
 
@@ -751,9 +752,10 @@ impl Filling {
     fn finish(mut self, slots: &[SlotBuffers], position_after: Position) -> ReadyBatch {
         if self.rows < self.capacity_rows {
             // SAFETY: as in `push`.
-            let mut dst = unsafe { slots[self.slot].slices_mut() };
+            let slot = &slots[self.slot];
+            let mut dst = unsafe { slot.slices_mut() };
             let (a, b) = (self.rows * self.width, self.capacity_rows * self.width);
-            write_padding(&mut dst, a, b);
+            write_padding(&mut dst, slot.token_width, a, b);
             self.pad_tokens += (b - a) as u64;
         }
         ReadyBatch {
@@ -764,6 +766,7 @@ impl Filling {
             position_after,
             doc_tokens: self.doc_tokens,
             pad_tokens: self.pad_tokens,
+            pieces: self.pieces,
         }
     }
 }

@@ -220,19 +220,19 @@ mod tests {
         }
     }
 
-    fn all_tokens(src: &BlockDocs) -> Vec<i32> {
-        let mut v: Vec<i32> = src
+    fn all_tokens(src: &BlockDocs) -> Vec<u32> {
+        let mut v: Vec<u32> = src
             .docs
             .iter()
             .enumerate()
-            .flat_map(|(i, d)| (0..d.len).map(move |k| (i as u32 * 10_000 + k) as i32))
+            .flat_map(|(i, d)| (0..d.len).map(move |k| i as u32 * 10_000 + k))
             .collect();
         v.sort_unstable();
         v
     }
 
-    fn delivered(rows: &crate::rows::Rows) -> Vec<i32> {
-        let mut v: Vec<i32> = rows
+    fn delivered(rows: &crate::rows::Rows) -> Vec<u32> {
+        let mut v: Vec<u32> = rows
             .tokens
             .iter()
             .zip(&rows.doc_ids)
@@ -301,9 +301,32 @@ mod tests {
         plan.push_row(&[p(0, 3), p(1, 2)]);
         let rows = plan.materialize(&src);
         assert_eq!(rows.tokens, vec![0, 1, 2, 10_000, 10_001, 0, 0, 0]);
-        assert_eq!(rows.position_ids, vec![0, 1, 2, 0, 1, 0, 0, 0]);
         assert_eq!(rows.doc_ids, vec![0, 0, 0, 1, 1, -1, -1, -1]);
-        assert_eq!(rows.loss_mask, vec![1, 1, 0, 1, 0, 0, 0, 0]);
+        assert_eq!(rows.position_ids(), vec![0, 1, 2, 0, 1, 0, 0, 0]);
+        assert_eq!(rows.loss_mask(), vec![1, 1, 0, 1, 0, 0, 0, 0]);
         assert_eq!(plan.row_tokens(0), 5);
+    }
+
+    #[test]
+    fn metadata_restarts_per_row_and_per_piece_of_one_document() {
+        // One 7-token document cut into pieces of 4 and 3 in two rows of 4: each piece
+        // restarts its positions, and no prediction crosses a row end.
+        let src = traceable_docs(&[7]);
+        let mut plan = RowPlan::new(4);
+        plan.push_row(&[Piece {
+            doc: 0,
+            start: 0,
+            len: 4,
+        }]);
+        plan.push_row(&[Piece {
+            doc: 0,
+            start: 4,
+            len: 3,
+        }]);
+        let rows = plan.materialize(&src);
+        assert_eq!(rows.tokens, vec![0, 1, 2, 3, 4, 5, 6, 0]);
+        assert_eq!(rows.doc_ids, vec![0, 0, 0, 0, 0, 0, 0, -1]);
+        assert_eq!(rows.position_ids(), vec![0, 1, 2, 3, 0, 1, 2, 0]);
+        assert_eq!(rows.loss_mask(), vec![1, 1, 1, 0, 1, 1, 0, 0]);
     }
 }

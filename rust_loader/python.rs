@@ -313,8 +313,8 @@ fn state_from_dict(d: &Bound<'_, PyDict>) -> PyResult<LoaderState> {
     })
 }
 
-/// (slot, rows, width, epoch, doc_tokens, pad_tokens) of a ready batch.
-type ReadyTuple = (usize, usize, usize, u64, u64, u64);
+/// (slot, rows, width, epoch, doc_tokens, pad_tokens, pieces) of a ready batch.
+type ReadyTuple = (usize, usize, usize, u64, u64, u64, u64);
 
 #[pyclass(name = "Loader", module = "pytrain._loader", frozen)]
 struct PyLoader {
@@ -387,32 +387,24 @@ impl PyLoader {
             skip_corrupt,
         };
         let need = config.slot_elems();
+        let width = dataset.inner.dtype.width();
         let mut bufs = Vec::with_capacity(slots.len());
         for (i, slot) in slots.iter().enumerate() {
             let parts: Vec<Bound<'_, PyAny>> = slot.extract()?;
-            if parts.len() != 4 {
+            if parts.len() != 2 {
                 return Err(PyValueError::new_err(format!(
-                    "slot {i}: need 4 tensors (tokens, position_ids, doc_ids, loss_mask)"
+                    "slot {i}: need 2 tensors (tokens, doc_ids)"
                 )));
             }
-            let t = tensor_ptr(&parts[0], 4, need, "tokens")?;
-            let p = tensor_ptr(&parts[1], 4, need, "position_ids")?;
-            let d = tensor_ptr(&parts[2], 4, need, "doc_ids")?;
-            let m = tensor_ptr(&parts[3], 1, need, "loss_mask")?;
+            let t = tensor_ptr(&parts[0], width, need, "tokens")?;
+            let d = tensor_ptr(&parts[1], 4, need, "doc_ids")?;
             let owner: Box<dyn Send> = Box::new(slot.clone().unbind());
             // SAFETY: each pointer is the data of a contiguous CPU tensor of at least
-            // `need` elements of the right size (checked above); `owner` keeps those
-            // tensors alive as long as the slot exists. The Python wrapper creates these
-            // tensors itself and never writes to them.
+            // `need` elements of the right size (checked above; torch aligns storage for
+            // its dtype); `owner` keeps those tensors alive as long as the slot exists.
+            // The Python wrapper creates these tensors itself and never writes to them.
             bufs.push(unsafe {
-                SlotBuffers::foreign(
-                    t as *mut i32,
-                    p as *mut i32,
-                    d as *mut i32,
-                    m as *mut u8,
-                    need,
-                    owner,
-                )
+                SlotBuffers::foreign(t as *mut u8, width, d as *mut i32, need, owner)
             });
         }
         let ds = dataset.inner.clone();
@@ -428,10 +420,21 @@ impl PyLoader {
     }
 
     /// Blocks (without the GIL) until a batch is ready. Returns
-    /// (slot, rows, width, epoch, doc_tokens, pad_tokens), or None after the last epoch.
+    /// (slot, rows, width, epoch, doc_tokens, pad_tokens, pieces), or None after the
+    /// last epoch.
     fn next(&self, py: Python<'_>) -> PyResult<Option<ReadyTuple>> {
         let b = run(py, || self.inner.next())?;
-        Ok(b.map(|b| (b.slot, b.rows, b.width, b.epoch, b.doc_tokens, b.pad_tokens)))
+        Ok(b.map(|b| {
+            (
+                b.slot,
+                b.rows,
+                b.width,
+                b.epoch,
+                b.doc_tokens,
+                b.pad_tokens,
+                b.pieces,
+            )
+        }))
     }
 
     fn release(&self, slot: usize) -> PyResult<()> {
@@ -466,7 +469,8 @@ impl PyLoader {
 /// benchmarks and tests; returns the number of tokens.
 #[pyfunction]
 #[pyo3(signature = (path, documents, *, mu = 6.0, sigma = 1.0, max_len = 32768, vocab = 50257,
-                    traceable = false, frame_bytes = 2 << 20, docs_per_shard = 100_000, seed = 0))]
+                    traceable = false, frame_bytes = 2 << 20, docs_per_shard = 100_000, seed = 0,
+                    level = 3))]
 #[allow(clippy::too_many_arguments)]
 fn write_synthetic(
     py: Python<'_>,
@@ -480,6 +484,7 @@ fn write_synthetic(
     frame_bytes: usize,
     docs_per_shard: u64,
     seed: u64,
+    level: i32,
 ) -> PyResult<u64> {
     let spec = crate::synthetic::SyntheticSpec {
         documents,
@@ -491,6 +496,7 @@ fn write_synthetic(
         frame_bytes,
         docs_per_shard,
         seed,
+        level,
     };
     run(py, || crate::synthetic::write_synthetic(&path, &spec))
 }

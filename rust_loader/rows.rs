@@ -1,7 +1,12 @@
 //! The documents of one block, rows planned as lists of pieces, and the code that writes
-//! a planned row (tokens plus the metadata document-masked attention needs) straight into
-//! a batch slot. Rows are never materialised twice: a worker plans them, the assembler
-//! writes each token once, into the slot the consumer will read.
+//! a planned row straight into a batch slot. Rows are never materialised twice: a worker
+//! plans them, the assembler writes each token once, into the slot the consumer reads.
+//!
+//! A slot holds two arrays: the tokens, in the dataset's own width (2 or 4 bytes, copied
+//! as they are from the decoded frame), and a document id per token. Position ids and
+//! the loss mask follow from the document ids (see `position_ids` and `loss_mask`), so the
+//! consumer derives them where they are used (on the GPU) instead of the loader writing
+//! and copying 5 more bytes per token.
 use std::sync::Mutex;
 
 use crate::format::TokenDtype;
@@ -58,16 +63,19 @@ impl BlockDocs {
         (out, cut)
     }
 
-    fn copy_piece(&self, p: &Piece, out: &mut [i32]) {
+    /// Copies piece `p`'s tokens (little-endian bytes) into `out`.
+    fn copy_piece(&self, p: &Piece, out: &mut [u8]) {
         let d = self.docs[p.doc as usize];
         let w = self.dtype.width();
         let from = (d.start + p.start) as usize * w;
-        self.dtype.widen_into(
-            &self.frames[d.frame as usize][from..from + p.len as usize * w],
-            out,
-        );
+        out.copy_from_slice(&self.frames[d.frame as usize][from..from + p.len as usize * w]);
     }
 }
+
+// Slots hold the frames' little-endian token bytes and consumers read them as native
+// integers (NumPy/torch uint16 or int32 views), which is only right on little-endian hosts.
+#[cfg(target_endian = "big")]
+compile_error!("batch slots hold little-endian tokens read as native integers; big-endian hosts are not supported");
 
 /// Rows of equal width, each a list of pieces whose lengths sum to at most `width`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -106,63 +114,78 @@ impl RowPlan {
         self.row(r).iter().map(|p| p.len as u64).sum()
     }
 
-    /// Writes row `r` into row `dst_row` of `dst` (rows of `self.width`).
-    ///
-    /// For each token position t of a row:
-    /// - `position_ids[t]` restarts at 0 at the first token of every piece;
-    /// - `doc_ids[t]` numbers the pieces of the row 0, 1, ...; padding is -1;
-    /// - `loss_mask[t]` is 1 when token t+1 is the next token of the same piece, so the
-    ///   prediction made at t is trained; 0 at a piece's last token and on padding.
+    /// Writes row `r` into row `dst_row` of `dst` (rows of `self.width` tokens):
+    /// the pieces' tokens one after another, then padding; `doc_ids[t]` numbers the pieces
+    /// of the row 0, 1, ... and is -1 on padding.
     pub fn write_row(&self, r: usize, src: &BlockDocs, dst: &mut RowSlicesMut<'_>, dst_row: usize) {
+        let w = src.dtype.width();
         let base = dst_row * self.width;
         let mut at = base;
         for (seg, p) in self.row(r).iter().enumerate() {
             let n = p.len as usize;
-            src.copy_piece(p, &mut dst.tokens[at..at + n]);
-            for (k, pos) in dst.position_ids[at..at + n].iter_mut().enumerate() {
-                *pos = k as i32;
-            }
+            src.copy_piece(p, &mut dst.tokens[at * w..(at + n) * w]);
             dst.doc_ids[at..at + n].fill(seg as i32);
-            dst.loss_mask[at..at + n - 1].fill(1);
-            dst.loss_mask[at + n - 1] = 0;
             at += n;
         }
-        write_padding(dst, at, base + self.width);
+        write_padding(dst, w, at, base + self.width);
     }
 
     /// The rows written out into fresh arrays (tests and tools; the loader writes slots).
     pub fn materialize(&self, src: &BlockDocs) -> Rows {
         let n = self.n_rows() * self.width;
-        let mut rows = Rows {
-            width: self.width,
-            n_rows: self.n_rows(),
-            ..Default::default()
-        };
-        rows.tokens.resize(n, 0);
-        rows.position_ids.resize(n, 0);
-        rows.doc_ids.resize(n, 0);
-        rows.loss_mask.resize(n, 0);
+        let w = src.dtype.width();
+        let mut bytes = vec![0u8; n * w];
+        let mut doc_ids = vec![0i32; n];
         let mut dst = RowSlicesMut {
-            tokens: &mut rows.tokens,
-            position_ids: &mut rows.position_ids,
-            doc_ids: &mut rows.doc_ids,
-            loss_mask: &mut rows.loss_mask,
+            tokens: &mut bytes,
+            doc_ids: &mut doc_ids,
         };
         for r in 0..self.n_rows() {
             self.write_row(r, src, &mut dst, r);
         }
-        rows
+        Rows {
+            width: self.width,
+            n_rows: self.n_rows(),
+            tokens: (0..n).map(|i| src.dtype.get(&bytes, i)).collect(),
+            doc_ids,
+        }
     }
 }
 
-pub const PAD_TOKEN: i32 = 0;
+pub const PAD_TOKEN: u8 = 0;
 
-/// Marks positions `from..to` of `dst` as padding.
-pub fn write_padding(dst: &mut RowSlicesMut<'_>, from: usize, to: usize) {
-    dst.tokens[from..to].fill(PAD_TOKEN);
-    dst.position_ids[from..to].fill(0);
+/// Marks token positions `from..to` of `dst` (tokens of `w` bytes) as padding.
+pub fn write_padding(dst: &mut RowSlicesMut<'_>, w: usize, from: usize, to: usize) {
+    dst.tokens[from * w..to * w].fill(PAD_TOKEN);
     dst.doc_ids[from..to].fill(-1);
-    dst.loss_mask[from..to].fill(0);
+}
+
+/// Position ids of rows of `width` tokens: 0, 1, ... from the first token of each piece
+/// (each run of equal document ids); 0 on padding. The consumer's derivation
+/// (`pytrain.data.position_ids`) follows this definition.
+pub fn position_ids(doc_ids: &[i32], width: usize) -> Vec<i32> {
+    let mut out = vec![0; doc_ids.len()];
+    for (row_ids, row_out) in doc_ids.chunks(width).zip(out.chunks_mut(width)) {
+        for t in 1..row_ids.len() {
+            if row_ids[t] >= 0 && row_ids[t] == row_ids[t - 1] {
+                row_out[t] = row_out[t - 1] + 1;
+            }
+        }
+    }
+    out
+}
+
+/// Loss mask of rows of `width` tokens: 1 at t when token t+1 is the next token of the
+/// same piece (so the prediction made at t is trained); 0 at a piece's last token, at the
+/// row's last token and on padding.
+pub fn loss_mask(doc_ids: &[i32], width: usize) -> Vec<u8> {
+    let mut out = vec![0; doc_ids.len()];
+    for (row_ids, row_out) in doc_ids.chunks(width).zip(out.chunks_mut(width)) {
+        for t in 0..row_ids.len().saturating_sub(1) {
+            row_out[t] = (row_ids[t] >= 0 && row_ids[t] == row_ids[t + 1]) as u8;
+        }
+    }
+    out
 }
 
 /// Rows written out (row-major), as the consumer sees them in a slot.
@@ -170,18 +193,25 @@ pub fn write_padding(dst: &mut RowSlicesMut<'_>, from: usize, to: usize) {
 pub struct Rows {
     pub width: usize,
     pub n_rows: usize,
-    pub tokens: Vec<i32>,
-    pub position_ids: Vec<i32>,
+    pub tokens: Vec<u32>,
     pub doc_ids: Vec<i32>,
-    pub loss_mask: Vec<u8>,
 }
 
-/// Mutable views of the four arrays of a batch slot.
+impl Rows {
+    pub fn position_ids(&self) -> Vec<i32> {
+        position_ids(&self.doc_ids, self.width)
+    }
+
+    pub fn loss_mask(&self) -> Vec<u8> {
+        loss_mask(&self.doc_ids, self.width)
+    }
+}
+
+/// Mutable views of the two arrays of a batch slot: token bytes (the dataset's width per
+/// token) and one document id per token.
 pub struct RowSlicesMut<'a> {
-    pub tokens: &'a mut [i32],
-    pub position_ids: &'a mut [i32],
+    pub tokens: &'a mut [u8],
     pub doc_ids: &'a mut [i32],
-    pub loss_mask: &'a mut [u8],
 }
 
 /// Decoded-frame buffers handed back for reuse. Frames are megabytes; allocating them

@@ -25,6 +25,9 @@ pub struct SyntheticSpec {
     pub frame_bytes: usize,
     pub docs_per_shard: u64,
     pub seed: u64,
+    /// zstd level of the frames (pack-shards' default is 3; negative levels store
+    /// literals raw: faster decoding, larger files).
+    pub level: i32,
 }
 
 impl Default for SyntheticSpec {
@@ -39,6 +42,7 @@ impl Default for SyntheticSpec {
             frame_bytes: 2 << 20,
             docs_per_shard: 100_000,
             seed: 0,
+            level: 3,
         }
     }
 }
@@ -80,7 +84,7 @@ pub fn write_synthetic(dir: &Path, spec: &SyntheticSpec) -> Result<u64> {
     let mut i = 0;
     while i < spec.documents {
         let file = format!("shard-{:05}.tks", shards.len());
-        let mut w = ShardWriter::create(&dir.join(&file), dtype, spec.frame_bytes, 1)?;
+        let mut w = ShardWriter::create(&dir.join(&file), dtype, spec.frame_bytes, spec.level)?;
         let end = (i + spec.docs_per_shard).min(spec.documents);
         for d in i..end {
             document(spec, d, &mut rng, &lens, &zipf, &mut doc);
@@ -97,7 +101,7 @@ pub fn write_synthetic(dir: &Path, spec: &SyntheticSpec) -> Result<u64> {
     let manifest = serde_json::json!({
         "format": FORMAT_NAME, "format_version": VERSION, "dtype": dtype.name(),
         "tokenizer": {"name": "synthetic", "vocab_size": spec.vocab},
-        "shards": shards, "args": {"synthetic_seed": spec.seed},
+        "shards": shards, "args": {"synthetic_seed": spec.seed, "zstd_level": spec.level},
     });
     let path = dir.join(MANIFEST);
     std::fs::write(&path, serde_json::to_vec_pretty(&manifest).unwrap())

@@ -1,7 +1,8 @@
 """Loader throughput per CPU core, delivered as (batch, seq_len+1) tensors in pinned memory
 (plain memory where there is no CUDA), side by side in one run:
 
-  - ours: TokenLoader, pack mode (best-fit), 1 and 2 threads;
+  - ours: TokenLoader, pack mode (best-fit), 1 and 2 threads, over frames written at zstd
+    level 3 (pack-shards' default) and -1 (literals stored raw: faster decoding);
   - nanoGPT-style np.memmap random windows (torch.stack + pin_memory, as nanoGPT's train.py);
   - torch.utils.data.DataLoader over the same shards (zstandard decode in workers,
     num_workers=2, pin_memory where CUDA exists).
@@ -9,7 +10,9 @@
 Per core = tokens / CPU seconds of the process and its children (getrusage), so a loader
 that keeps two cores busy counts both.
 
-    python scripts/bench_loader.py [--docs 100000] [--seq 2048] [--batch 16] [--batches 200]
+    python scripts/bench_loader.py [--docs 100000] [--seq 2048] [--batch 16] [--batches 2000]
+
+Disk size of both datasets is printed too.
 """
 
 from __future__ import annotations
@@ -108,17 +111,18 @@ class ShardWindows(torch.utils.data.IterableDataset):
         dctx = zstandard.ZstdDecompressor()
         buf = np.zeros(0, dtype=np.int64)
         files: dict[str, bytes] = {}
-        for fr in range(wid, ds.n_frames, nw):
-            shard, off, length, _ = ds.frame_location(fr)
-            if shard not in files:
-                files[shard] = Path(self.path, shard).read_bytes()
-            toks = np.frombuffer(
-                dctx.decompress(files[shard][off : off + length]), dtype="<u2"
-            ).astype(np.int64)
-            buf = np.concatenate([buf, toks])
-            while len(buf) >= self.seq + 1:
-                yield torch.from_numpy(buf[: self.seq + 1].copy())
-                buf = buf[self.seq + 1 :]
+        while True:  # epoch after epoch, as a training loader does
+            for fr in range(wid, ds.n_frames, nw):
+                shard, off, length, _ = ds.frame_location(fr)
+                if shard not in files:
+                    files[shard] = Path(self.path, shard).read_bytes()
+                toks = np.frombuffer(
+                    dctx.decompress(files[shard][off : off + length]), dtype="<u2"
+                ).astype(np.int64)
+                buf = np.concatenate([buf, toks])
+                while len(buf) >= self.seq + 1:
+                    yield torch.from_numpy(buf[: self.seq + 1].copy())
+                    buf = buf[self.seq + 1 :]
 
 
 def dataloader(path: Path, seq: int, batch: int, pin: bool):
@@ -138,7 +142,12 @@ def main() -> int:
     p.add_argument("--docs", type=int, default=100_000)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--batches", type=int, default=200)
+    p.add_argument(
+        "--batches",
+        type=int,
+        default=2000,
+        help="timed batches (a few epochs' worth of frames, so buffers are warm)",
+    )
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument(
         "--work", type=Path, default=Path(tempfile.gettempdir()) / "pytrain-bench-loader"
@@ -148,14 +157,21 @@ def main() -> int:
     )
     args = p.parse_args()
     pin = torch.cuda.is_available()
-    path = args.work / f"synthetic-{args.docs}"
-    if not (path / "manifest.json").exists():
-        _loader.write_synthetic(str(path), args.docs, mu=6.0, sigma=1.0, vocab=50257, seed=0)
+    paths = {}
+    for level in (3, -1):  # pack-shards' default, and raw literals (fast decoding)
+        paths[level] = args.work / f"synthetic-{args.docs}-zstd{level}"
+        if not (paths[level] / "manifest.json").exists():
+            _loader.write_synthetic(
+                str(paths[level]), args.docs, mu=6.0, sigma=1.0, vocab=50257, seed=0, level=level
+            )
+    path = paths[3]
     data = flat_tokens(path, args.work / f"synthetic-{args.docs}.bin")
     tpb = args.batch * (args.seq + 1)
     runs = {
-        "ours pack (1 thread)": ours(path, args.seq, args.batch, 1, pin),
-        "ours pack (2 threads)": ours(path, args.seq, args.batch, 2, pin),
+        "ours pack, zstd 3 (1 thread)": ours(path, args.seq, args.batch, 1, pin),
+        "ours pack, zstd 3 (2 threads)": ours(path, args.seq, args.batch, 2, pin),
+        "ours pack, zstd -1 (1 thread)": ours(paths[-1], args.seq, args.batch, 1, pin),
+        "ours pack, zstd -1 (2 threads)": ours(paths[-1], args.seq, args.batch, 2, pin),
         "np.memmap windows (nanoGPT)": memmap_windows(data, args.seq, args.batch, pin),
         "DataLoader over shards (2 workers)": dataloader(path, args.seq, args.batch, pin),
     }
@@ -186,6 +202,11 @@ def main() -> int:
         if k.startswith("ours")
     )
     print(f"ours per core / best baseline per core: {ours_pc / best_baseline:.1f}x")
+    for level, p in paths.items():
+        mb = sum(f.stat().st_size for f in p.glob("*.tks")) / 1e6
+        print(
+            f"zstd {level}: {mb:.1f} MB on disk, uint16 tokens/disk {2 * len(data) / 1e6 / mb:.2f}x"
+        )
     if args.plot:
         medians = {
             k: sorted(r["per_core"] for r in rs)[len(rs) // 2] / 1e6 for k, rs in results.items()

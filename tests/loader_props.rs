@@ -11,7 +11,7 @@ use rust_loader::loader::{resume_position, Loader, LoaderConfig, Position, SlotB
 use rust_loader::pack::{BucketSpec, PackStrategy};
 use rust_loader::synthetic::{write_synthetic, SyntheticSpec};
 
-fn dataset(dir: &Path, docs: u64, seed: u64) -> (Arc<Dataset>, Vec<i32>) {
+fn dataset(dir: &Path, docs: u64, seed: u64) -> (Arc<Dataset>, Vec<u32>) {
     let spec = SyntheticSpec {
         documents: docs,
         mu: 4.0,
@@ -35,9 +35,7 @@ fn dataset(dir: &Path, docs: u64, seed: u64) -> (Arc<Dataset>, Vec<i32>) {
             &Default::default(),
         )
         .unwrap();
-        let mut buf = vec![0i32; docs.frames[0].len() / 4];
-        docs.dtype.widen_into(&docs.frames[0], &mut buf);
-        all.extend(buf);
+        all.extend(docs.dtype.to_u32s(&docs.frames[0]));
     }
     all.sort_unstable();
     (Arc::new(ds), all)
@@ -59,15 +57,15 @@ fn config(mode: Mode, threads: usize, rank: u64, world: u64, epochs: u64) -> Loa
 }
 
 /// Runs a loader to its end (or `limit` batches): per batch, the delivered tokens and the
-/// full slot contents, plus the state after each batch.
+/// full slot contents (tokens, then doc ids), plus the state after each batch.
 fn run(
     ds: &Arc<Dataset>,
     cfg: &LoaderConfig,
     start: Position,
     limit: usize,
-) -> Vec<(Vec<i32>, Vec<i32>, Position)> {
+) -> Vec<(Vec<u32>, Vec<i64>, Position)> {
     let slots = (0..3)
-        .map(|_| SlotBuffers::owned(cfg.slot_elems()))
+        .map(|_| SlotBuffers::owned(cfg.slot_elems(), ds.dtype))
         .collect();
     let loader = Loader::new(ds.clone(), cfg.clone(), slots, start).unwrap();
     let mut out = Vec::new();
@@ -76,17 +74,21 @@ fn run(
             break;
         };
         let v = loader.view(&b);
-        let real: Vec<i32> = v
-            .tokens
+        let tokens = v.tokens();
+        let real: Vec<u32> = tokens
             .iter()
             .zip(v.doc_ids)
             .filter(|(_, &d)| d >= 0)
             .map(|(&t, _)| t)
             .collect();
-        let mut whole = v.tokens.to_vec();
-        whole.extend(v.position_ids);
-        whole.extend(v.doc_ids);
-        whole.extend(v.loss_mask.iter().map(|&m| m as i32));
+        // Targets that count in the loss, as reported, against the derived loss mask.
+        let mask = rust_loader::rows::loss_mask(v.doc_ids, b.width);
+        assert_eq!(
+            b.doc_tokens - b.pieces,
+            mask.iter().map(|&m| m as u64).sum::<u64>()
+        );
+        let mut whole: Vec<i64> = tokens.iter().map(|&t| t as i64).collect();
+        whole.extend(v.doc_ids.iter().map(|&d| d as i64));
         // Row width never exceeds what the mode promises.
         match &cfg.mode {
             Mode::Pack { seq_len, .. } => assert_eq!(b.width, seq_len + 1),
@@ -145,7 +147,7 @@ proptest! {
         let cut = cut.min(full.len() - 1);
         let state_pos = if cut == 0 { Position::default() } else { full[cut - 1].2 };
         let cfg = config(mode.clone(), 3, 0, 1, 2);
-        let slots: Vec<SlotBuffers> = (0..1).map(|_| SlotBuffers::owned(cfg.slot_elems())).collect();
+        let slots: Vec<SlotBuffers> = (0..1).map(|_| SlotBuffers::owned(cfg.slot_elems(), ds.dtype)).collect();
         let probe = Loader::new(ds.clone(), cfg.clone(), slots, state_pos).unwrap();
         let mut st = probe.state();
         drop(probe);

@@ -243,3 +243,61 @@ def test_bad_arguments_are_value_errors(synthetic_dataset):
         TokenLoader(path, mode="bucket", bucket_lengths=(64, 64))
     with pytest.raises(FileNotFoundError, match="manifest.json"):
         TokenLoader(path / "nope")
+
+
+def reference_metadata(doc_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Position ids and loss mask by the definition, one token at a time."""
+    pos, mask = np.zeros_like(doc_ids), np.zeros(doc_ids.shape, bool)
+    for r, row in enumerate(doc_ids):
+        for t in range(len(row)):
+            same_as_prev = t > 0 and row[t] >= 0 and row[t] == row[t - 1]
+            pos[r, t] = pos[r, t - 1] + 1 if same_as_prev else 0
+            mask[r, t] = t + 1 < len(row) and row[t] >= 0 and row[t] == row[t + 1]
+    return pos, mask
+
+
+def test_derived_position_ids_and_loss_mask_follow_the_definition():
+    from pytrain.data import loss_mask, position_ids
+
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        width, rows = int(rng.integers(2, 40)), int(rng.integers(1, 4))
+        doc = np.full((rows, width), -1, np.int32)
+        for r in range(rows):
+            at, seg = 0, 0
+            fill = int(rng.integers(0, width + 1))  # tokens before the padding
+            while at < fill:
+                n = int(rng.integers(1, fill - at + 1))
+                doc[r, at : at + n] = seg
+                at, seg = at + n, seg + 1
+        pos, mask = reference_metadata(doc)
+        t = torch.from_numpy(doc)
+        assert np.array_equal(position_ids(t).numpy(), pos)
+        assert np.array_equal(loss_mask(t).numpy(), mask)
+
+
+@pytest.mark.parametrize("fixture", ["synthetic_dataset", "small_corpus"])
+def test_slots_hold_tokens_at_dataset_width_and_loss_tokens_are_exact(request, fixture):
+    data = request.getfixturevalue(fixture)
+    path = data[0]
+    loader = TokenLoader(path, seq_len=100, batch_size=3, num_epochs=1)
+    width = 2 if loader.dataset.dtype == "uint16" else 4
+    assert {s[0].element_size() for s in loader._slots} == {width}
+    seen = 0
+    for b in loader:
+        assert b.tokens.element_size() == width
+        assert b.loss_tokens == int(b.loss_mask[:, :-1].sum())
+        host_ids = b.tokens[:, :-1].to(torch.int64)
+        d = b.to("cpu")  # releases the slot
+        assert d.input_ids.dtype == torch.int32 and torch.equal(d.input_ids.long(), host_ids)
+        assert d.loss_tokens == int(d.loss_mask.sum())
+        seen += 1
+    assert seen > 3
+
+
+def test_uint16_tokens_widen_without_sign_errors():
+    from pytrain.data import token_ids
+
+    t = torch.tensor([[0, 1, 32767, 32768, 40000, 65535]], dtype=torch.uint16)
+    assert token_ids(t).tolist() == [[0, 1, 32767, 32768, 40000, 65535]]
+    assert token_ids(t).dtype == torch.int32
