@@ -90,6 +90,10 @@ class CompileConfig:
     guard: bool = True
     """Avoid known-bad combinations up front and fall back at run time. Off shows torch's
     native behaviour (scripts/compile_matrix.py compares the two)."""
+    coordinate_descent: bool = False
+    """Inductor's coordinate-descent tuning of the kernels it generates (block sizes):
+    a longer first compile for sometimes faster steps. Set in code, so it overrides the
+    safe_env guard that turns it off; off by default."""
     inject_failure_at: int = -1
     """Testing knob: raise a compile-like failure at this step (>= 0) to exercise the fallback."""
 

@@ -66,6 +66,26 @@ def flex_available() -> bool:
     return torch.cuda.is_available()
 
 
+SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
+
+
+def sdpa(q, k, v, backend: str = "auto", **kwargs) -> torch.Tensor:
+    """scaled_dot_product_attention, restricted to one kernel unless backend is 'auto'.
+    torch.compile traces the sdpa_kernel context (one backend, no priority list)."""
+    if backend == "auto":
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kind = {
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "math": SDPBackend.MATH,
+    }[backend]
+    with sdpa_kernel([kind]):
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -73,6 +93,9 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.dropout = cfg.dropout
+        if cfg.sdpa_backend not in SDPA_BACKENDS:
+            raise ValueError(f"sdpa_backend {cfg.sdpa_backend!r} is not one of {SDPA_BACKENDS}")
+        self.backend = cfg.sdpa_backend
 
     def forward(self, x, cos, sin, mask) -> torch.Tensor:
         B, T, C = x.shape
@@ -80,9 +103,9 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         p = self.dropout if self.training else 0.0
         if mask is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+            y = sdpa(q, k, v, self.backend, is_causal=True, dropout_p=p)
         elif isinstance(mask, torch.Tensor):
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+            y = sdpa(q, k, v, self.backend, attn_mask=mask, dropout_p=p)
         else:
             from torch.nn.attention.flex_attention import flex_attention
 

@@ -20,4 +20,8 @@ class ModelConfig:
     dropout: float = 0.0
     attention: str = "auto"
     """'auto', 'flex', 'sdpa_mask' or 'causal' (see the module docstring)."""
+    sdpa_backend: str = "auto"
+    """Kernel behind scaled_dot_product_attention: 'auto' (torch's choice), 'cudnn',
+    'flash', 'efficient' or 'math'. torch prefers FlashAttention-2 even on Hopper, where
+    cuDNN's fused attention is faster (scripts/bench_attention_gpu.py measures them)."""
     max_seq_len: int = 4096

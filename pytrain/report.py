@@ -25,6 +25,11 @@ def samples(trainer, n: int, tokens: int) -> list[str]:
     path = trainer.train_path / "tokenizer.json"
     if n <= 0 or not path.exists():
         return []
+    if trainer._sharded:
+        # Only rank 0 reports, and under FSDP2 it holds a shard of each parameter.
+        return [
+            "(samples skipped: the model is sharded by FSDP2; sample from the checkpoint in one process)"
+        ]
     tok = Tokenizer.from_file(str(path))
     eos = tok.token_to_id("<|endoftext|>")
     prompts = ["def ", "class ", "import ", '"""', "for ", "    return "][:n]

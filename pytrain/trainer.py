@@ -159,7 +159,10 @@ class Trainer:
         self.dist, self.device = distributed.init(cfg.device)
         self.say = log if self.dist.is_main else (lambda *a, **k: None)
         self.run_dir = Path(cfg.out_dir) / cfg.name
-        self._seed(cfg.seed + self.dist.rank)
+        # The same seed on every rank until the model is built: FSDP2 keeps each rank's own
+        # shard of its own initialisation (DDP broadcasts rank 0's), so the ranks must
+        # initialise identically. Per-rank seeds come after (see below).
+        self._seed(cfg.seed)
         if cfg.deterministic:
             torch.use_deterministic_algorithms(True)
         if self.device.type == "cuda":
@@ -180,6 +183,8 @@ class Trainer:
         ckpt_every = checkpoint_every(cfg.activation_checkpointing)
         self.gpt.set_activation_checkpointing(ckpt_every)
         self.module = distributed.wrap(LossModule(self.gpt), self.dist, self.device, cfg.fsdp)
+        self._sharded = cfg.fsdp and self.dist.enabled  # FSDP2: state dicts are gathered
+        self._seed(cfg.seed + self.dist.rank)
         self.optimizer = make_optimizer(self.gpt, cfg, self.device)
         self.guard = StepGuard(
             cfg.optim.spike_factor, cfg.optim.max_bad_steps, cfg.optim.warmup_steps
@@ -211,6 +216,11 @@ class Trainer:
         self.attention = self.gpt.attention_backend(
             self.device, compiled=self.compile_mode != "eager"
         )
+        if cfg.compile.coordinate_descent and self.compile_mode != "eager":
+            import torch._inductor.config as inductor_config
+
+            inductor_config.coordinate_descent_tuning = True
+            self.compile_reason += "; coordinate-descent tuning on"
         self.compiled = compile_policy.compile_model(self.module, self.compile_mode)
         self.say(f"compile: {self.compile_mode} ({self.compile_reason})")
         self.log = RunLog(self.run_dir, self.dist.is_main, cfg.tensorboard)
@@ -273,11 +283,12 @@ class Trainer:
             },
             self.dist,
         )
+        model, optim = distributed.model_optim_state(self.gpt, self.optimizer, self._sharded)
         return {
             "step": self.step,
             "tokens_seen": self.tokens_seen,
-            "model": self.gpt.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model,
+            "optimizer": optim,
             "scaler": self.precision.scaler.state_dict() if self.precision.scaler else None,
             "guard": self.guard.state_dict(),
             "compile_mode": self.compile_mode,
@@ -301,8 +312,9 @@ class Trainer:
         if found is None:
             return
         state, path = found
-        self.gpt.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        distributed.load_model_optim_state(
+            self.gpt, self.optimizer, state["model"], state["optimizer"], self._sharded
+        )
         if self.precision.scaler and state["scaler"]:
             self.precision.scaler.load_state_dict(state["scaler"])
         self.guard.load_state_dict(state["guard"])
@@ -502,8 +514,9 @@ class Trainer:
                 dtype=self.precision.dtype,
                 enabled=self.precision.dtype is not None,
             ):
+                # Through the wrapper: under FSDP2 it gathers the sharded parameters.
                 total += float(
-                    self.gpt.loss_sum(
+                    self.module(
                         b.input_ids,
                         b.targets,
                         b.position_ids,

@@ -41,8 +41,9 @@ def run_ours(
     attention: str,
     compile_mode: str,
     extra: list[str],
+    tag: str = "",
 ) -> dict:
-    name = f"ours-{attention}-{compile_mode}"
+    name = f"ours-{attention}-{compile_mode}" + (f"-{tag}" if tag else "")
     cmd = [
         sys.executable, "-m", "pytrain.train", "--config", str(ROOT / "configs/gpt2-124m.toml"),
         "--data.path", str(data), "--out_dir", str(out), "--name", name, "--no-resume",
@@ -120,7 +121,11 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=12)
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "pytrain-bench")
     p.add_argument(
-        "--variants", default="causal:default,flex:default", help="attention:compile_mode pairs"
+        "--variants",
+        default="causal:default,causal:default:cudnn,flex:default",
+        help="attention:compile_mode[:sdpa_backend[:cdt]], comma-separated; reduce-overhead runs "
+        "with --no-compile.safe_env so that CUDA graphs are really on; cdt turns on Inductor's "
+        "coordinate-descent tuning; '+FLAG' appends a trainer flag (e.g. +--no-model.contiguous_qkv)",
     )
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
@@ -131,9 +136,24 @@ def main() -> int:
     data = synthetic_dataset(args.work / "synthetic-50k", 40_000)
     results = []
     for v in args.variants.split(","):
-        attention, mode = v.split(":")
+        spec, *flags = v.split("+")
+        attention, mode, backend, tuning = (spec.split(":") + ["auto", ""])[:4]
+        extra = ["--model.sdpa_backend", backend, *flags]
+        if tuning == "cdt":  # Inductor's coordinate-descent tuning of its generated kernels
+            extra.append("--compile.coordinate_descent")
+        if mode == "reduce-overhead":
+            extra.append("--no-compile.safe_env")
         results.append(
-            run_ours(data, args.work / "runs", args.steps, args.batch, attention, mode, [])
+            run_ours(
+                data,
+                args.work / "runs",
+                args.steps,
+                args.batch,
+                attention,
+                mode,
+                extra,
+                tag="-".join(t for t in (backend, tuning, *flags) if t not in ("", "auto")),
+            )  # fmt: skip
         )
         print(json.dumps(results[-1]), flush=True)
     results.append(run_nanogpt(args.nanogpt, args.batch))

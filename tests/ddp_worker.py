@@ -1,5 +1,6 @@
 """Run by tests/test_ddp.py under torchrun (2 processes, gloo): one accumulated step per
-rank; saves this rank's micro-batches and the all-reduced gradients."""
+rank (DDP, or FSDP2 with --distributed.fsdp); saves this rank's micro-batches and the
+all-reduced gradients."""
 
 import sys
 
@@ -27,7 +28,11 @@ torch.save(
             }
             for b in batches
         ],
-        "grads": [p.grad for p in t.gpt.parameters()],
+        # FSDP2 keeps sharded gradients (DTensors); gather them whole to compare.
+        "grads": [
+            p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            for p in t.gpt.parameters()
+        ],
         "denom": denom,
         "loader_state": t.loader.state_dict(),
     },

@@ -227,3 +227,18 @@ def test_warm_up_visits_every_bucket_shape_without_touching_data_or_rng(small_co
     assert seen[:3] == [(16, 16), (8, 32), (4, 64)]
     assert got == want  # no batch consumed, no RNG drawn, no update applied
     t.close()
+
+
+def test_sdpa_backend_choice_keeps_the_loss_and_unknown_names_fail():
+    from pytrain.model import GPT
+    from pytrain.model_config import ModelConfig
+
+    ids = torch.randint(0, 64, (2, 16))
+    losses = {}
+    for backend in ("auto", "math"):
+        torch.manual_seed(0)
+        gpt = GPT(ModelConfig(vocab_size=64, n_layer=1, n_head=2, d_model=32, sdpa_backend=backend))
+        losses[backend] = gpt(ids).float().logsumexp(-1).mean()
+    assert torch.allclose(losses["auto"], losses["math"], atol=1e-5)
+    with pytest.raises(ValueError, match="sdpa_backend 'fa3'"):
+        GPT(ModelConfig(vocab_size=64, n_layer=1, n_head=2, d_model=32, sdpa_backend="fa3"))
