@@ -1,7 +1,5 @@
 //! Packing documents into fixed-width rows (`pack` mode) and grouping them into a few
 //! fixed shapes (`bucket` mode). Every function here is deterministic given its RNG.
-use std::collections::BTreeSet;
-
 use rand::seq::SliceRandom;
 use rand_chacha::ChaCha8Rng;
 
@@ -30,82 +28,164 @@ pub fn pack_rows(
     strategy: PackStrategy,
     rng: Option<&mut ChaCha8Rng>,
 ) -> (RowPlan, PackStats) {
-    let mut rows = match strategy {
+    let (pieces, row_of, n_rows) = match strategy {
         PackStrategy::BestFit => {
-            let (pieces, _) = src.pieces(width);
-            best_fit(pieces, width)
+            let (mut pieces, _) = src.pieces(width);
+            let (row_of, n_rows) = best_fit(&mut pieces, width);
+            (pieces, row_of, n_rows)
         }
         PackStrategy::Concat => concat(src, width),
     };
-    if let Some(rng) = rng {
-        rows.shuffle(rng);
-    }
-    let mut out = RowPlan::new(width);
-    for row in &rows {
-        out.push_row(row);
-    }
     let mut pieces_of_doc = vec![0u32; src.docs.len()];
-    for p in rows.iter().flatten() {
+    for p in &pieces {
         pieces_of_doc[p.doc as usize] += 1;
     }
     let stats = PackStats {
         documents: src.docs.len() as u64,
         cut_documents: pieces_of_doc.iter().filter(|&&n| n > 1).count() as u64,
     };
-    (out, stats)
+    (plan_rows(&pieces, &row_of, n_rows, width, rng), stats)
+}
+
+/// The plan of pieces assigned to rows (`row_of[i]` is piece i's row), rows in shuffled
+/// order, pieces of a row in assignment order. A counting sort: no per-row allocation.
+fn plan_rows(
+    pieces: &[Piece],
+    row_of: &[u32],
+    n_rows: usize,
+    width: usize,
+    rng: Option<&mut ChaCha8Rng>,
+) -> RowPlan {
+    let mut order: Vec<u32> = (0..n_rows as u32).collect();
+    if let Some(rng) = rng {
+        order.shuffle(rng);
+    }
+    let mut rank = vec![0u32; n_rows];
+    for (i, &r) in order.iter().enumerate() {
+        rank[r as usize] = i as u32;
+    }
+    let mut row_starts = vec![0u32; n_rows + 1];
+    for &r in row_of {
+        row_starts[rank[r as usize] as usize + 1] += 1;
+    }
+    for i in 0..n_rows {
+        row_starts[i + 1] += row_starts[i];
+    }
+    let mut at = row_starts.clone();
+    let mut out = vec![
+        Piece {
+            doc: 0,
+            start: 0,
+            len: 0
+        };
+        pieces.len()
+    ];
+    for (p, &r) in pieces.iter().zip(row_of) {
+        let k = rank[r as usize] as usize;
+        out[at[k] as usize] = *p;
+        at[k] += 1;
+    }
+    RowPlan {
+        width,
+        pieces: out,
+        row_starts,
+    }
+}
+
+/// Open rows indexed by free space: `stacks[f]` holds the rows with exactly `f` free
+/// tokens and bit `f` of `nonempty` says whether it has any, so the tightest row that fits
+/// a piece is the first set bit at or above the piece's length (at most width/64 words).
+struct OpenRows {
+    stacks: Vec<Vec<u32>>,
+    nonempty: Vec<u64>,
+}
+
+impl OpenRows {
+    fn new(width: usize) -> Self {
+        OpenRows {
+            stacks: vec![Vec::new(); width + 1],
+            nonempty: vec![0; width / 64 + 1],
+        }
+    }
+
+    fn push(&mut self, free: usize, row: u32) {
+        self.stacks[free].push(row);
+        self.nonempty[free / 64] |= 1 << (free % 64);
+    }
+
+    /// Removes and returns (free space, row) of a row with the least free space >= `len`.
+    fn take_fitting(&mut self, len: usize) -> Option<(usize, u32)> {
+        let mut w = len / 64;
+        let mut word = self.nonempty[w] & (!0u64 << (len % 64));
+        while word == 0 {
+            w += 1;
+            word = *self.nonempty.get(w)?;
+        }
+        let free = w * 64 + word.trailing_zeros() as usize;
+        let row = self.stacks[free]
+            .pop()
+            .expect("bit set for a non-empty stack");
+        if self.stacks[free].is_empty() {
+            self.nonempty[free / 64] &= !(1 << (free % 64));
+        }
+        Some((free, row))
+    }
 }
 
 /// Best-fit decreasing: longest piece first, each into the open row whose free space
-/// fits it most tightly. Pieces are at most `width` long.
-fn best_fit(mut pieces: Vec<Piece>, width: usize) -> Vec<Vec<Piece>> {
+/// fits it most tightly. Pieces are at most `width` long. Sorts `pieces` and returns the
+/// row of each (in the sorted order) and the number of rows.
+fn best_fit(pieces: &mut [Piece], width: usize) -> (Vec<u32>, usize) {
     // Stable: equal lengths keep their (already shuffled) order.
     pieces.sort_by_key(|p| std::cmp::Reverse(p.len));
-    let mut rows: Vec<Vec<Piece>> = Vec::new();
-    // Open rows keyed by (free tokens, row index).
-    let mut open: BTreeSet<(u32, u32)> = BTreeSet::new();
-    for p in pieces {
-        match open.range((p.len, 0)..).next().copied() {
-            Some((free, r)) => {
-                open.remove(&(free, r));
-                rows[r as usize].push(p);
-                if free > p.len {
-                    open.insert((free - p.len, r));
-                }
-            }
-            None => {
-                let r = rows.len() as u32;
-                rows.push(vec![p]);
-                if (p.len as usize) < width {
-                    open.insert((width as u32 - p.len, r));
-                }
-            }
+    let mut row_of = Vec::with_capacity(pieces.len());
+    let mut n_rows = 0u32;
+    let mut open = OpenRows::new(width);
+    for p in pieces.iter() {
+        let len = p.len as usize;
+        let (free, row) = open.take_fitting(len).unwrap_or_else(|| {
+            n_rows += 1;
+            (width, n_rows - 1)
+        });
+        row_of.push(row);
+        if free > len {
+            open.push(free - len, row);
         }
     }
-    rows
+    (row_of, n_rows as usize)
 }
 
 /// Concatenate-and-split: documents in block order, a new row every `width` tokens.
-fn concat(src: &BlockDocs, width: usize) -> Vec<Vec<Piece>> {
-    let mut rows = vec![Vec::new()];
+/// Returns the pieces, the row of each and the number of rows.
+fn concat(src: &BlockDocs, width: usize) -> (Vec<Piece>, Vec<u32>, usize) {
+    let mut pieces = Vec::with_capacity(src.docs.len());
+    let mut row_of = Vec::with_capacity(src.docs.len());
+    let mut row = 0u32;
     let mut free = width as u32;
     for (i, d) in src.docs.iter().enumerate() {
         let mut start = 0;
         while start < d.len {
             if free == 0 {
-                rows.push(Vec::new());
+                row += 1;
                 free = width as u32;
             }
             let len = (d.len - start).min(free);
-            rows.last_mut().unwrap().push(Piece {
+            pieces.push(Piece {
                 doc: i as u32,
                 start,
                 len,
             });
+            row_of.push(row);
             start += len;
             free -= len;
         }
     }
-    rows
+    let n_rows = if pieces.is_empty() {
+        0
+    } else {
+        row as usize + 1
+    };
+    (pieces, row_of, n_rows)
 }
 
 /// Bucket mode: one piece per row; rows of a batch share one bucket length.
@@ -291,6 +371,39 @@ mod tests {
             prop_assert_eq!(got, all_tokens(&src));
             prop_assert!(padded_batches <= 1);
         }
+    }
+
+    #[test]
+    fn best_fit_puts_each_piece_into_the_tightest_open_row() {
+        // Sorted 5, 4, 3, 2, 1 into rows of 6: 5 -> A (1 free), 4 -> B (2 free),
+        // 3 -> C (3 free), 2 -> B (tightest that fits), 1 -> A.
+        let mut pieces: Vec<Piece> = [5u32, 3, 2, 4, 1]
+            .iter()
+            .enumerate()
+            .map(|(i, &len)| Piece {
+                doc: i as u32,
+                start: 0,
+                len,
+            })
+            .collect();
+        let (row_of, n_rows) = best_fit(&mut pieces, 6);
+        let lens: Vec<u32> = pieces.iter().map(|p| p.len).collect();
+        assert_eq!(lens, vec![5, 4, 3, 2, 1]);
+        assert_eq!(row_of, vec![0, 1, 2, 1, 0]);
+        assert_eq!(n_rows, 3);
+        // Free space beyond one 64-bit word of the index, and exact fits.
+        let mut wide: Vec<Piece> = [100u32, 200, 100, 57]
+            .iter()
+            .enumerate()
+            .map(|(i, &len)| Piece {
+                doc: i as u32,
+                start: 0,
+                len,
+            })
+            .collect();
+        let (row_of, n_rows) = best_fit(&mut wide, 300);
+        assert_eq!(row_of, vec![0, 0, 1, 1]); // 200+100 fill row 0; 100+57 share row 1
+        assert_eq!(n_rows, 2);
     }
 
     #[test]
