@@ -91,8 +91,16 @@ def _pack_parser() -> argparse.ArgumentParser:
     return p
 
 
+ZSTD_LEVELS = (-(1 << 17), 22)  # libzstd's ZSTD_minCLevel() and ZSTD_maxCLevel()
+
+
 def pack_main(argv: list[str]) -> int:
-    args = _pack_parser().parse_args(argv)
+    parser = _pack_parser()
+    args = parser.parse_args(argv)
+    if not ZSTD_LEVELS[0] <= args.zstd_level <= ZSTD_LEVELS[1]:
+        parser.error(
+            f"--zstd-level {args.zstd_level} is outside zstd's {ZSTD_LEVELS[0]}..{ZSTD_LEVELS[1]}"
+        )
     # Tokenizers' thread pool reads these once, at first use: set them before importing.
     os.environ["RAYON_NUM_THREADS"] = str(max(1, args.workers))
     os.environ["RAYON_RS_NUM_THREADS"] = str(max(1, args.workers))
@@ -120,15 +128,15 @@ def pack_main(argv: list[str]) -> int:
     try:
         report = pack(docs, args.output, opts, overwrite=args.overwrite, progress=bar)
     except DatasetExistsError as e:
+        _close(bar)
         print(f"pack-shards: {e}", file=sys.stderr)
         return EXIT_EXISTS
     except (InputError, TokenizerError, ValueError, OSError) as e:
+        _close(bar)  # ends the bar's line, so the error starts a line of its own
         print(f"pack-shards: error: {e}", file=sys.stderr)
         print("pack-shards: nothing was written to the output directory", file=sys.stderr)
         return EXIT_INPUT
-    finally:
-        if bar:
-            bar.close()
+    _close(bar)
     mb = report.input_bytes / 1e6
     secs = max(report.seconds, 1e-9)
     comp = sum(s["bytes"] for s in report.shards)
@@ -139,6 +147,11 @@ def pack_main(argv: list[str]) -> int:
         f"{comp / 1e6:,.1f} MB on disk -> {args.output}"
     )
     return 0
+
+
+def _close(bar) -> None:
+    if bar:
+        bar.close()
 
 
 class _progress_bar:

@@ -101,9 +101,12 @@ def test_worker_count_does_not_change_a_byte(corpus, bpe_tokenizer_file, tmp_pat
         assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes(), name
 
 
-def test_frames_are_standard_zstd(corpus, tmp_path):
+@pytest.mark.parametrize("level", ["3", "-1"])
+def test_frames_are_standard_zstd(corpus, tmp_path, level):
+    # Negative levels (raw literals, faster decoding) are ordinary zstd frames too.
     out = tmp_path / "ds"
-    assert run_cli(str(corpus / "more.jsonl"), "-o", str(out), "--frame-mib", "0.1").returncode == 0
+    args = ("-o", str(out), "--frame-mib", "0.1", "--zstd-level", level)
+    assert run_cli(str(corpus / "more.jsonl"), *args).returncode == 0
     ds = _loader.Dataset(str(out))
     assert ds.n_frames > 3
     dctx = zstandard.ZstdDecompressor()
@@ -164,6 +167,12 @@ def test_bad_input_names_file_and_line_and_writes_nothing(tmp_path, content, nee
     assert needle in r.stderr
     assert not out.exists()
     assert not any(p.name.startswith(".ds.tmp") for p in tmp_path.iterdir())
+
+
+def test_zstd_level_out_of_range_is_a_usage_error(corpus, tmp_path):
+    r = run_cli(str(corpus / "more.jsonl"), "-o", str(tmp_path / "ds"), "--zstd-level", "99")
+    assert r.returncode == 2 and "--zstd-level 99 is outside" in r.stderr
+    assert not (tmp_path / "ds").exists()
 
 
 def test_missing_tokenizer_and_unreadable_input(tmp_path):
