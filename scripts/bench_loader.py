@@ -11,6 +11,7 @@ Per core = tokens / CPU seconds of the process and its children (getrusage), so 
 that keeps two cores busy counts both.
 
     python scripts/bench_loader.py [--docs 100000] [--seq 2048] [--batch 16] [--batches 2000]
+                                   [--dataset PATH_TO_A_REAL_UINT16_DATASET]
 
 Disk size of both datasets is printed too.
 """
@@ -18,6 +19,7 @@ Disk size of both datasets is printed too.
 from __future__ import annotations
 
 import argparse
+import json
 import resource
 import sys
 import tempfile
@@ -86,6 +88,28 @@ def flat_tokens(path: Path, out: Path) -> np.memmap:
     return np.memmap(out, dtype=np.uint16, mode="r")
 
 
+def recompress(src: Path, dst: Path, level: int) -> None:
+    """The documents of `src` written again with frames at zstd `level`."""
+    from pytrain.shards import PackOptions, TokenBatch, read_all_documents, write_dataset
+    from pytrain.tokenizer import TokenizerInfo
+
+    m = json.loads((src / "manifest.json").read_text())
+    t = m["tokenizer"]
+    info = TokenizerInfo(
+        name=t["name"], sha256=t.get("sha256", "0" * 64), vocab_size=t["vocab_size"],
+        eos_id=t.get("eos_id"), bos_id=t.get("bos_id"),
+    )  # fmt: skip
+    docs = read_all_documents(src)
+    batches = (
+        TokenBatch(
+            ids=np.concatenate(docs[i : i + 512]),
+            lengths=np.array([len(d) for d in docs[i : i + 512]], np.uint32),
+        )
+        for i in range(0, len(docs), 512)
+    )
+    write_dataset(batches, dst, info, m["dtype"], PackOptions(zstd_level=level))
+
+
 def memmap_windows(data: np.memmap, seq: int, batch: int, pin: bool):
     def gen():
         rng = np.random.default_rng(0)
@@ -150,6 +174,13 @@ def main() -> int:
     )
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument(
+        "--dataset",
+        type=Path,
+        default=None,
+        help="a uint16 pack-shards dataset (real text) to use instead of the synthetic one; "
+        "it is re-encoded at zstd 3 and -1",
+    )
+    p.add_argument(
         "--work", type=Path, default=Path(tempfile.gettempdir()) / "pytrain-bench-loader"
     )
     p.add_argument(
@@ -158,14 +189,19 @@ def main() -> int:
     args = p.parse_args()
     pin = torch.cuda.is_available()
     paths = {}
+    name = f"real-{args.dataset.name}" if args.dataset else f"synthetic-{args.docs}"
     for level in (3, -1):  # pack-shards' default, and raw literals (fast decoding)
-        paths[level] = args.work / f"synthetic-{args.docs}-zstd{level}"
-        if not (paths[level] / "manifest.json").exists():
+        paths[level] = args.work / f"{name}-zstd{level}"
+        if (paths[level] / "manifest.json").exists():
+            continue
+        if args.dataset:
+            recompress(args.dataset, paths[level], level)
+        else:
             _loader.write_synthetic(
                 str(paths[level]), args.docs, mu=6.0, sigma=1.0, vocab=50257, seed=0, level=level
             )
     path = paths[3]
-    data = flat_tokens(path, args.work / f"synthetic-{args.docs}.bin")
+    data = flat_tokens(path, args.work / f"{name}.bin")
     tpb = args.batch * (args.seq + 1)
     runs = {
         "ours pack, zstd 3 (1 thread)": ours(path, args.seq, args.batch, 1, pin),

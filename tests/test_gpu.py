@@ -19,7 +19,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 @needs_cuda
-def test_cuda_copy_equals_cpu_preparation(tmp_path: Path = None):
+def test_cuda_copy_equals_cpu_preparation(tmp_path: Path | None = None):
     tmp_path = tmp_path or Path(tempfile.mkdtemp())
     path = tmp_path / "ds"
     # Zipf ids over a 50,257 vocabulary: uint16 slots, ids above 32,767 included.
