@@ -125,7 +125,7 @@ def main() -> int:
         default="causal:default,causal:default:cudnn,flex:default",
         help="attention:compile_mode[:sdpa_backend[:cdt]], comma-separated; reduce-overhead runs "
         "with --no-compile.safe_env so that CUDA graphs are really on; cdt turns on Inductor's "
-        "coordinate-descent tuning; '+FLAG' appends a trainer flag (e.g. +--no-model.contiguous_qkv)",
+        "coordinate-descent tuning; '+FLAG' appends a trainer flag (e.g. +--activation_checkpointing=full)",
     )
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
