@@ -25,7 +25,7 @@ def samples(trainer, n: int, tokens: int) -> list[str]:
     path = trainer.train_path / "tokenizer.json"
     if n <= 0 or not path.exists():
         return []
-    if trainer._sharded:
+    if trainer.sharded:
         # Only rank 0 reports, and under FSDP2 it holds a shard of each parameter.
         return [
             "(samples skipped: the model is sharded by FSDP2; sample from the checkpoint in one process)"

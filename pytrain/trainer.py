@@ -183,7 +183,7 @@ class Trainer:
         ckpt_every = checkpoint_every(cfg.activation_checkpointing)
         self.gpt.set_activation_checkpointing(ckpt_every)
         self.module = distributed.wrap(LossModule(self.gpt), self.dist, self.device, cfg.fsdp)
-        self._sharded = cfg.fsdp and self.dist.enabled  # FSDP2: state dicts are gathered
+        self.sharded = cfg.fsdp and self.dist.enabled  # FSDP2: ranks hold shards of each parameter
         self._seed(cfg.seed + self.dist.rank)
         self.optimizer = make_optimizer(self.gpt, cfg, self.device)
         self.guard = StepGuard(
@@ -283,7 +283,7 @@ class Trainer:
             },
             self.dist,
         )
-        model, optim = distributed.model_optim_state(self.gpt, self.optimizer, self._sharded)
+        model, optim = distributed.model_optim_state(self.gpt, self.optimizer, self.sharded)
         return {
             "step": self.step,
             "tokens_seen": self.tokens_seen,
@@ -313,7 +313,7 @@ class Trainer:
             return
         state, path = found
         distributed.load_model_optim_state(
-            self.gpt, self.optimizer, state["model"], state["optimizer"], self._sharded
+            self.gpt, self.optimizer, state["model"], state["optimizer"], self.sharded
         )
         if self.precision.scaler and state["scaler"]:
             self.precision.scaler.load_state_dict(state["scaler"])
