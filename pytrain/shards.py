@@ -94,6 +94,19 @@ class TokenBatch:
     where: str = ""
     """Where the batch came from ("file:line..file:line"), for error messages."""
 
+    @classmethod
+    def of(cls, docs: list[np.ndarray], **fields) -> TokenBatch:
+        """The batch of `docs` (arrays of token ids), back to back."""
+        ids = np.concatenate(docs).astype(np.uint32, copy=False) if docs else np.zeros(0, np.uint32)
+        lengths = np.fromiter((len(d) for d in docs), dtype=np.uint32, count=len(docs))
+        return cls(ids=ids, lengths=lengths, **fields)
+
+
+def document_batches(docs: list[np.ndarray], per: int = 512) -> Iterator[TokenBatch]:
+    """Already tokenized documents as batches of `per` (for `write_dataset`)."""
+    for i in range(0, len(docs), per):
+        yield TokenBatch.of(docs[i : i + per])
+
 
 def pack(
     docs: Iterable[tuple[str, str]],
@@ -203,11 +216,8 @@ def _encode(
     prefix = [info.bos_id] if opts.prepend_bos else []
     suffix = [info.eos_id] if opts.append_eos else []
     seqs = [np.asarray(prefix + e.ids + suffix, dtype=np.uint32) for e in encodings]
-    lengths = np.fromiter((len(s) for s in seqs), dtype=np.uint32, count=len(seqs))
-    ids = np.concatenate(seqs) if seqs else np.zeros(0, np.uint32)
-    return TokenBatch(
-        ids=ids,
-        lengths=lengths,
+    return TokenBatch.of(
+        seqs,
         skipped_empty=len(batch) - len(texts),
         input_bytes=sum(len(t.encode("utf-8")) for _, t in batch),
         where=f"{batch[0][0]}..{batch[-1][0]}",

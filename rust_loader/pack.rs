@@ -377,30 +377,22 @@ mod tests {
     fn best_fit_puts_each_piece_into_the_tightest_open_row() {
         // Sorted 5, 4, 3, 2, 1 into rows of 6: 5 -> A (1 free), 4 -> B (2 free),
         // 3 -> C (3 free), 2 -> B (tightest that fits), 1 -> A.
-        let mut pieces: Vec<Piece> = [5u32, 3, 2, 4, 1]
-            .iter()
-            .enumerate()
-            .map(|(i, &len)| Piece {
+        let whole_docs = |lens: &[u32]| -> Vec<Piece> {
+            let piece = |(i, &len): (usize, &u32)| Piece {
                 doc: i as u32,
                 start: 0,
                 len,
-            })
-            .collect();
+            };
+            lens.iter().enumerate().map(piece).collect()
+        };
+        let mut pieces = whole_docs(&[5, 3, 2, 4, 1]);
         let (row_of, n_rows) = best_fit(&mut pieces, 6);
         let lens: Vec<u32> = pieces.iter().map(|p| p.len).collect();
         assert_eq!(lens, vec![5, 4, 3, 2, 1]);
         assert_eq!(row_of, vec![0, 1, 2, 1, 0]);
         assert_eq!(n_rows, 3);
         // Free space beyond one 64-bit word of the index, and exact fits.
-        let mut wide: Vec<Piece> = [100u32, 200, 100, 57]
-            .iter()
-            .enumerate()
-            .map(|(i, &len)| Piece {
-                doc: i as u32,
-                start: 0,
-                len,
-            })
-            .collect();
+        let mut wide = whole_docs(&[100, 200, 100, 57]);
         let (row_of, n_rows) = best_fit(&mut wide, 300);
         assert_eq!(row_of, vec![0, 0, 1, 1]); // 200+100 fill row 0; 100+57 share row 1
         assert_eq!(n_rows, 2);

@@ -90,7 +90,12 @@ def flat_tokens(path: Path, out: Path) -> np.memmap:
 
 def recompress(src: Path, dst: Path, level: int) -> None:
     """The documents of `src` written again with frames at zstd `level`."""
-    from pytrain.shards import PackOptions, TokenBatch, read_all_documents, write_dataset
+    from pytrain.shards import (
+        PackOptions,
+        document_batches,
+        read_all_documents,
+        write_dataset,
+    )
     from pytrain.tokenizer import TokenizerInfo
 
     m = json.loads((src / "manifest.json").read_text())
@@ -99,14 +104,7 @@ def recompress(src: Path, dst: Path, level: int) -> None:
         name=t["name"], sha256=t.get("sha256", "0" * 64), vocab_size=t["vocab_size"],
         eos_id=t.get("eos_id"), bos_id=t.get("bos_id"),
     )  # fmt: skip
-    docs = read_all_documents(src)
-    batches = (
-        TokenBatch(
-            ids=np.concatenate(docs[i : i + 512]),
-            lengths=np.array([len(d) for d in docs[i : i + 512]], np.uint32),
-        )
-        for i in range(0, len(docs), 512)
-    )
+    batches = document_batches(read_all_documents(src))
     write_dataset(batches, dst, info, m["dtype"], PackOptions(zstd_level=level))
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pytrain.shards import PackOptions, TokenBatch, write_dataset
+from pytrain.shards import PackOptions, document_batches, write_dataset
 from pytrain.tokenizer import TokenizerInfo, train_bpe
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -57,14 +57,7 @@ def write_synthetic(
         frame_mib=frame_bytes / (1 << 20),
         shard_mib=frame_bytes * 6 / (1 << 20),
     )
-    batches = (
-        TokenBatch(
-            ids=np.concatenate(docs[i : i + 50]),
-            lengths=np.array([len(d) for d in docs[i : i + 50]], np.uint32),
-        )
-        for i in range(0, len(docs), 50)
-    )
-    write_dataset(batches, out, info, dtype, opts)
+    write_dataset(document_batches(docs, per=50), out, info, dtype, opts)
     return out
 
 
