@@ -131,6 +131,9 @@ class TrainConfig:
     sample_tokens: int = 80
     progress: bool = True
     tensorboard: bool = True
+    profile_steps: str = ""
+    """'A:B' records steps A..B-1 with torch.profiler: runs/<name>/profile/ gets a Chrome
+    trace and a table of kernel times per step (pytrain/profiling.py). Empty: off."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from pytrain import _loader
+from pytrain import _loader, flash4
 from pytrain._loader import CorruptShardError, LoaderError, ManifestError, StateError
 
 __all__ = [
@@ -142,6 +142,12 @@ class HostBatch:
         return loss_mask(self.doc_ids)
 
     @property
+    def cu_seqlens(self) -> torch.Tensor:
+        """Document segments of the input positions, for FA4 (`pytrain.flash4.cu_seqlens`):
+        computed here from the slot's ids, so the device never syncs to find them."""
+        return torch.from_numpy(flash4.cu_seqlens(self.doc_ids[:, :-1].numpy()))
+
+    @property
     def loss_tokens(self) -> int:
         """Targets that count in the loss (where the loss mask is true), known without
         reading the batch: every document token but each piece's last."""
@@ -172,7 +178,14 @@ class HostBatch:
             done = torch.cuda.Event()
             done.record(side)
         compute.wait_event(done)
-        for t in (out.input_ids, out.targets, out.position_ids, out.doc_ids, out.loss_mask):
+        for t in (
+            out.input_ids,
+            out.targets,
+            out.position_ids,
+            out.doc_ids,
+            out.loss_mask,
+            out.cu_seqlens,
+        ):
             t.record_stream(compute)  # memory made on the side stream, used on compute
         out._pending_release = self
         out._copy_done = done
@@ -202,6 +215,8 @@ class DeviceBatch:
     pad_tokens: int
     loss_tokens: int = -1
     """Targets counted by the loss, computed on the host (no device sync to read it)."""
+    cu_seqlens: torch.Tensor | None = None
+    """int32 document segments of the flattened inputs (see HostBatch.cu_seqlens)."""
     _pending_release: HostBatch | None = None
     _copy_done: torch.cuda.Event | None = None
 
@@ -216,6 +231,7 @@ class DeviceBatch:
             position_ids=position_ids(doc_ids)[:, :-1],
             doc_ids=doc_ids[:, :-1],
             loss_mask=loss_mask(doc_ids)[:, :-1],
+            cu_seqlens=move(b.cu_seqlens),
             epoch=b.epoch,
             doc_tokens=b.doc_tokens,
             pad_tokens=b.pad_tokens,

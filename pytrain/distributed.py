@@ -97,6 +97,15 @@ def all_sum(x: float | int, info: DistInfo, device: torch.device) -> float:
     return float(t.item())
 
 
+def all_sum_tensor(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """Sum of a device tensor over ranks, left on the device (no host sync)."""
+    if not info.enabled:
+        return t
+    t = t.detach().clone()
+    dist.all_reduce(t)
+    return t
+
+
 def gather_objects(obj, info: DistInfo) -> list:
     if not info.enabled:
         return [obj]

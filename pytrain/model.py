@@ -3,9 +3,11 @@ embeddings, attention through `scaled_dot_product_attention` with document maski
 for packed rows, and a loss summed over the tokens the loss mask keeps.
 
 Document masking: a token attends only to earlier tokens of its own document (doc_ids).
-Backends: 'flex' (FlexAttention block mask; CUDA), 'sdpa_mask' (a boolean mask given to
-SDPA; correct everywhere, O(T^2) memory), 'causal' (plain causal attention across
-documents, as nanoGPT does). 'auto' picks flex on CUDA when available, else sdpa_mask."""
+Backends: 'fa4' (FlashAttention-4 over document segments, `pytrain.flash4`; Hopper and
+Blackwell with flash-attn-4 installed), 'flex' (FlexAttention block mask; CUDA), 'sdpa_mask'
+(a boolean mask given to SDPA; correct everywhere, O(T^2) memory), 'causal' (plain causal
+attention across documents, as nanoGPT does). 'auto' picks fa4 where it runs, else flex on
+CUDA when compiled, else sdpa_mask."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from pytrain import flash4
 from pytrain.model_config import ModelConfig
 
 __all__ = ["GPT", "ModelConfig", "document_mask"]
@@ -42,7 +45,7 @@ def rope_tables(head_dim: int, max_len: int, base: float) -> tuple[torch.Tensor,
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, H, T, D); cos/sin: (B, 1, T, D/2), gathered at the position ids and already
+    """x: (B, T, H, D); cos/sin: (B, T, 1, D/2), gathered at the position ids and already
     in x's dtype (rotating in bf16 halves the traffic; the angles were computed in fp32)."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
@@ -66,13 +69,13 @@ def flex_available() -> bool:
     return torch.cuda.is_available()
 
 
-SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
+SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math", "fa4")
 
 
 def sdpa(q, k, v, backend: str = "auto", **kwargs) -> torch.Tensor:
     """scaled_dot_product_attention, restricted to one kernel unless backend is 'auto'.
     torch.compile traces the sdpa_kernel context (one backend, no priority list)."""
-    if backend == "auto":
+    if backend in ("auto", "fa4"):  # fa4 takes no boolean mask: torch's choice does
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -99,8 +102,15 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, mask) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
+        # (B, T, H, D) views of one projection: FA4's layout; SDPA and flex take the
+        # (B, H, T, D) transpose of the same views (no copy).
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).unbind(2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if isinstance(mask, flash4.Segments) or (mask is None and self.backend == "fa4"):
+            if self.training and self.dropout:
+                raise ValueError("FlashAttention-4 has no attention dropout; set dropout=0")
+            return self.proj(flash4.attention(q, k, v, mask).reshape(B, T, C))
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         p = self.dropout if self.training else 0.0
         if mask is None:
             y = sdpa(q, k, v, self.backend, is_causal=True, dropout_p=p)
@@ -180,19 +190,35 @@ class GPT(nn.Module):
         return n - self.embed.weight.numel() if non_embedding and not self.cfg.tie_embeddings else n
 
     def attention_backend(self, device: torch.device, compiled: bool) -> str:
-        """FlexAttention is fast only when compiled; uncompiled it materialises scores."""
+        """FA4 runs compiled or not; FlexAttention is fast only when compiled (uncompiled
+        it materialises scores)."""
         a = self.cfg.attention
+        fa4 = device.type == "cuda" and flash4.available(device.index or 0)
         if a == "auto":
+            if fa4:
+                return "fa4"
             return (
                 "flex" if compiled and device.type == "cuda" and flex_available() else "sdpa_mask"
             )
-        if a not in ("flex", "sdpa_mask", "causal"):
-            raise ValueError(f"attention {a!r} is not auto, flex, sdpa_mask or causal")
+        if a not in ("fa4", "flex", "sdpa_mask", "causal"):
+            raise ValueError(f"attention {a!r} is not auto, fa4, flex, sdpa_mask or causal")
+        if a == "fa4" and not fa4:
+            raise ValueError(
+                "attention 'fa4' needs a Hopper or Blackwell GPU and the flash-attn-4 package"
+            )
         return a
 
-    def make_mask(self, doc_ids: torch.Tensor | None, backend: str):
+    def make_mask(
+        self, doc_ids: torch.Tensor | None, backend: str, cu_seqlens: torch.Tensor | None = None
+    ):
+        """What the blocks take as `mask` for this batch: None (plain causal), a boolean
+        mask, a flex BlockMask, or FA4 segments (`cu_seqlens` from the host batch)."""
         if doc_ids is None or backend == "causal":
             return None
+        if backend == "fa4":
+            if cu_seqlens is None:
+                raise ValueError("attention 'fa4' needs the batch's cu_seqlens")
+            return flash4.Segments(cu_seqlens, doc_ids.shape[-1])
         if backend == "sdpa_mask":
             return document_mask(doc_ids)
         from torch.nn.attention.flex_attention import create_block_mask
@@ -215,7 +241,7 @@ class GPT(nn.Module):
             if torch.is_autocast_enabled(x.device.type)
             else x.dtype
         )
-        cos, sin = self.rope_cos[pos][:, None].to(dtype), self.rope_sin[pos][:, None].to(dtype)
+        cos, sin = (t[pos][:, :, None].to(dtype) for t in (self.rope_cos, self.rope_sin))
         for i, block in enumerate(self.blocks):
             if self.training and self.checkpoint_every and i % self.checkpoint_every == 0:
                 x = checkpoint(block, x, cos, sin, mask, use_reentrant=False)

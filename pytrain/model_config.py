@@ -19,9 +19,10 @@ class ModelConfig:
     rope_base: float = 10000.0
     dropout: float = 0.0
     attention: str = "auto"
-    """'auto', 'flex', 'sdpa_mask' or 'causal' (see the module docstring)."""
+    """'auto', 'fa4', 'flex', 'sdpa_mask' or 'causal' (see pytrain.model's docstring)."""
     sdpa_backend: str = "auto"
     """Kernel behind scaled_dot_product_attention: 'auto' (torch's choice), 'cudnn',
-    'flash', 'efficient' or 'math'. torch prefers FlashAttention-2 even on Hopper, where
-    cuDNN's fused attention is faster (scripts/bench_attention_gpu.py measures them)."""
+    'flash', 'efficient', 'math', or 'fa4' (FlashAttention-4 from the flash-attn-4 package,
+    for plain causal attention: attention='causal' and evaluation without documents).
+    scripts/bench_attention_gpu.py measures them."""
     max_seq_len: int = 4096

@@ -15,11 +15,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from pytrain import checkpoint, compile_policy, distributed
+from pytrain import checkpoint, compile_policy, distributed, flash4
 from pytrain.config import TrainConfig, to_dict
 from pytrain.data import DeviceBatch, HostBatch, TokenLoader
 from pytrain.metrics import RunLog, flops_per_token, loader_cpu_seconds, peak_flops
 from pytrain.model import GPT
+from pytrain.profiling import StepProfiler
 
 
 class TrainingStopped(RuntimeError):
@@ -100,33 +101,44 @@ def make_optimizer(gpt: GPT, cfg: TrainConfig, device: torch.device) -> torch.op
 @dataclass
 class StepGuard:
     """Skips steps with a non-finite loss or gradient, or a loss far above its running
-    mean; stops after too many in a row. Its state is saved in checkpoints."""
+    mean; stops after too many in a row. The decision is made on the device (`check`, no
+    host sync: the fused optimizer skips the update itself); the counts, the message and
+    the stop follow when the host reads the step's values (`record`). Its state is saved
+    in checkpoints."""
 
     spike_factor: float
     max_bad: int
     warmup: int
     ema: float | None = None
+    """Running mean of applied steps' losses (as of the last checkpoint or load)."""
     bad_in_row: int = 0
     skipped: int = 0
+    _ema_t: torch.Tensor | None = None  # the running mean on the device; NaN: none yet
 
-    def check(self, step: int, loss: float, grad_norm: float) -> str | None:
-        """None if the step may be applied, else the reason to skip it."""
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            return f"non-finite loss {loss} or grad norm {grad_norm}"
-        if (
-            self.spike_factor > 0
-            and self.ema is not None
-            and step >= self.warmup
-            and loss > self.spike_factor * self.ema
-        ):
-            return f"loss spike {loss:.3f} > {self.spike_factor} x running mean {self.ema:.3f}"
-        return None
+    def check(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor):
+        """(skip, running mean before this step): 0-d tensors on the loss's device."""
+        if self._ema_t is None or self._ema_t.device != loss.device:
+            start = math.nan if self.ema is None else self.ema
+            self._ema_t = torch.tensor(start, dtype=torch.float32, device=loss.device)
+        ema = self._ema_t
+        loss = loss.float()
+        bad = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
+        if self.spike_factor > 0 and step >= self.warmup:
+            bad = bad | (loss > self.spike_factor * ema)  # False while ema is NaN
+        updated = torch.where(torch.isnan(ema), loss, 0.95 * ema + 0.05 * loss)
+        self._ema_t = torch.where(bad, ema, updated)
+        return bad, ema
 
-    def record(self, reason: str | None, loss: float) -> None:
-        if reason is None:
+    def record(self, bad: bool, loss: float, grad_norm: float, ema_before: float) -> str | None:
+        """Host bookkeeping of one checked step, in step order: None if it was applied,
+        else the reason it was skipped. Raises TrainingStopped after max_bad in a row."""
+        if not bad:
             self.bad_in_row = 0
-            self.ema = loss if self.ema is None else 0.95 * self.ema + 0.05 * loss
-            return
+            return None
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            reason = f"non-finite loss {loss} or grad norm {grad_norm}"
+        else:
+            reason = f"loss spike {loss:.3f} > {self.spike_factor} x running mean {ema_before:.3f}"
         self.bad_in_row += 1
         self.skipped += 1
         if self.bad_in_row >= self.max_bad:
@@ -134,12 +146,17 @@ class StepGuard:
                 f"{self.bad_in_row} bad steps in a row (last: {reason}); stopping. Lower the learning rate, "
                 "check the data, or resume from an earlier checkpoint."
             )
+        return reason
 
     def state_dict(self) -> dict:
+        if self._ema_t is not None:
+            ema = float(self._ema_t)
+            self.ema = None if math.isnan(ema) else ema
         return {"ema": self.ema, "bad_in_row": self.bad_in_row, "skipped": self.skipped}
 
     def load_state_dict(self, s: dict) -> None:
         self.ema, self.bad_in_row, self.skipped = s["ema"], s["bad_in_row"], s["skipped"]
+        self._ema_t = None
 
 
 @dataclass
@@ -151,6 +168,23 @@ class StepResult:
     tokens: int
     skipped: str | None = None
     fallbacks: list[str] = field(default_factory=list)
+
+
+@dataclass
+class PendingStep:
+    """A step whose kernels may still be running. Its values stay on the device until
+    `Trainer.settle` reads them, one step later, when the device has long finished them:
+    the host never waits for the device in the middle of a step."""
+
+    values: torch.Tensor
+    """loss, grad norm, skip flag and the running mean before the step (host memory,
+    pinned on CUDA, filled by a copy queued at the end of the step)."""
+    ready: torch.cuda.Event | None
+    """Recorded after that copy: waiting on it waits for this step only, not for the
+    steps queued after it (a read of a device tensor would wait for all of them)."""
+    loss_tokens: int
+    tokens: int
+    fallbacks: list[str]
 
 
 class Trainer:
@@ -224,6 +258,9 @@ class Trainer:
         self.compiled = compile_policy.compile_model(self.module, self.compile_mode)
         self.say(f"compile: {self.compile_mode} ({self.compile_reason})")
         self.log = RunLog(self.run_dir, self.dist.is_main, cfg.tensorboard)
+        self.profiler = StepProfiler(
+            cfg.profile_steps if self.dist.is_main else "", self.run_dir / "profile", self.device
+        )
         self.flops_token = flops_per_token(
             self.gpt.num_params(),
             cfg.model.n_layer,
@@ -358,7 +395,10 @@ class Trainer:
             self._next = self._fetch(self.cfg.optim.grad_accum)
 
     def _micro_loss(self, b: DeviceBatch) -> torch.Tensor:
-        mask = self.gpt.make_mask(b.doc_ids, self.attention)
+        mask = self.gpt.make_mask(b.doc_ids, self.attention, b.cu_seqlens)
+        if isinstance(mask, flash4.Segments) and self.compile_mode != "eager":
+            # The number of segments varies by batch: one graph for all of them.
+            torch._dynamo.mark_dynamic(mask.cu_seqlens, 0)
         with torch.autocast(
             self.device.type, dtype=self.precision.dtype, enabled=self.precision.dtype is not None
         ):
@@ -385,9 +425,10 @@ class Trainer:
 
     def _backward_with_fallback(
         self, batches: list[DeviceBatch], denom: float = 1.0, prefetch=None
-    ) -> tuple[float, list[str]]:
+    ) -> tuple[torch.Tensor, list[str]]:
         """Forward and backward of `batches`; a compile failure drops one compile level
-        and reruns them from zeroed gradients. Returns the summed loss and the fallbacks."""
+        and reruns them from zeroed gradients. Returns the summed loss (on the device) and
+        the fallbacks."""
         fallbacks = []
         while True:
             self.optimizer.zero_grad(set_to_none=True)
@@ -395,7 +436,6 @@ class Trainer:
                 loss_sum = self._forward_backward(batches, denom)
                 if prefetch:
                     prefetch()  # host work overlaps the kernels just queued
-                loss_sum = float(loss_sum)
                 break
             except Exception as e:
                 if (
@@ -414,36 +454,66 @@ class Trainer:
                 self.compiled = compile_policy.compile_model(self.module, self.compile_mode)
         return loss_sum, fallbacks
 
-    def train_step(self, batches: list[DeviceBatch], prefetch=None) -> StepResult:
+    def train_step(self, batches: list[DeviceBatch], prefetch=None) -> PendingStep:
+        """One optimizer step over `batches`, queued without waiting for the device (except
+        with fp16's GradScaler, or a sharded or unfused optimizer): the guard decides on the
+        device and the fused AdamW skips a bad step itself. `settle` reads the result."""
         local_tokens = sum(
             b.loss_tokens if b.loss_tokens >= 0 else int(b.loss_mask.sum()) for b in batches
         )
-        denom = distributed.all_sum(local_tokens, self.dist, self.device)
-        loss_sum, fallbacks = self._backward_with_fallback(batches, max(denom, 1.0), prefetch)
-        loss = distributed.all_sum(loss_sum, self.dist, self.device) / max(denom, 1.0)
+        denom = max(distributed.all_sum(local_tokens, self.dist, self.device), 1.0)
+        loss_sum, fallbacks = self._backward_with_fallback(batches, denom, prefetch)
+        loss = distributed.all_sum_tensor(loss_sum, self.dist) / denom
         for g in self.optimizer.param_groups:
             g["lr"] = lr_at(self.step, self.cfg)
         if self.precision.scaler:
             self.precision.scaler.unscale_(self.optimizer)
-        grad_norm = float(
-            torch.nn.utils.clip_grad_norm_(
-                self.gpt.parameters(), self.cfg.optim.grad_clip or float("inf")
-            )
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.gpt.parameters(), self.cfg.optim.grad_clip or float("inf")
         )
-        reason = self.guard.check(self.step, loss, grad_norm)
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a replicated DTensor
+            grad_norm = grad_norm.full_tensor()
+        bad, ema_before = self.guard.check(self.step, loss, grad_norm)
         if self.precision.scaler:
-            # The scaler skips steps with inf/NaN gradients itself (and lowers its scale).
-            if reason is None or not math.isfinite(grad_norm):
-                self.precision.scaler.step(self.optimizer)
-            self.precision.scaler.update()
-            if not math.isfinite(grad_norm):
-                reason = None if math.isfinite(loss) else reason
-        elif reason is None:
+            bad = self._scaler_step(bad, loss, grad_norm)
+        elif self.optimizer.defaults.get("fused") and not self.sharded:
+            # The fused kernel leaves parameters, moments and step counts alone where
+            # found_inf is 1: the skip needs no host sync.
+            self.optimizer.found_inf = bad.float()
             self.optimizer.step()
-        self.guard.record(reason, loss)
+        elif not bool(bad):
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         tokens = sum(b.input_ids.numel() for b in batches) * self.dist.world_size
-        return StepResult(loss, grad_norm, int(denom), tokens, reason, fallbacks)
+        values = torch.stack([t.detach().float() for t in (loss, grad_norm, bad, ema_before)])
+        ready = None
+        if values.is_cuda:
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            values = host.copy_(values, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        return PendingStep(values, ready, int(denom), tokens, fallbacks)
+
+    def _scaler_step(self, bad, loss, grad_norm) -> torch.Tensor:
+        """fp16: the GradScaler skips steps with inf/NaN gradients itself (and lowers its
+        scale), so an overflow is not a bad step; a bad loss or a spike still is."""
+        scaler = self.precision.scaler
+        finite_grads = math.isfinite(float(grad_norm))
+        if not bool(bad) or not finite_grads:
+            scaler.step(self.optimizer)
+        scaler.update()
+        if not finite_grads and math.isfinite(float(loss)):
+            return torch.zeros_like(bad)
+        return bad
+
+    def settle(self, p: PendingStep) -> StepResult:
+        """Reads a queued step's values (one transfer) and does the guard's bookkeeping;
+        raises TrainingStopped after too many bad steps in a row."""
+        if p.ready is not None:
+            p.ready.synchronize()
+        loss, norm, bad, ema = p.values.tolist()
+        reason = self.guard.record(bool(bad), loss, norm, ema)
+        return StepResult(loss, norm, p.loss_tokens, p.tokens, reason, p.fallbacks)
 
     # ---- compile warm-up ------------------------------------------------------------------
     def warm_up_shapes(self) -> list[tuple[int, int]]:
@@ -521,7 +591,7 @@ class Trainer:
                         b.targets,
                         b.position_ids,
                         b.loss_mask,
-                        self.gpt.make_mask(b.doc_ids, self.attention),
+                        self.gpt.make_mask(b.doc_ids, self.attention, b.cu_seqlens),
                     )
                 )
             count += int(b.loss_mask.sum())
@@ -540,10 +610,23 @@ class Trainer:
         cpu_start = loader_cpu_seconds()
         first_step = self.step
         self.warm_up()
-        # No device sync per step: the CPU logs and launches step k+1 while step k's
-        # optimizer kernels run. Step time is the period between successive returns of
-        # train_step, which each wait for the device at the same point (reading the loss).
+        # No device sync inside a step: step k is queued, then step k-1's values are read
+        # (the device finished them while step k was being queued) and logged. Step time
+        # is the period between successive reads: in steady state, the device's.
+        pending: tuple[PendingStep, float, int] | None = None  # (step, data wait, number)
         t_mark = time.perf_counter()
+
+        def settle_pending() -> None:
+            nonlocal pending, t_mark
+            if pending is None:
+                return
+            (p, wait, number), pending = pending, None
+            r = self.settle(p)
+            now = time.perf_counter()
+            dt, t_mark = now - t_mark, now
+            history.append(r.loss)
+            self._log_step(r, number, dt, wait, bar)
+
         while self.step < cfg.max_steps:
             if cfg.halt_after and self.step - first_step >= cfg.halt_after:
                 break
@@ -551,23 +634,33 @@ class Trainer:
                 self._next if self._next is not None else self._fetch(cfg.optim.grad_accum)
             )
             self._next = None
-            r = self.train_step(batches, prefetch=self._prefetch_next)
-            now = time.perf_counter()
-            dt, t_mark = now - t_mark, now
-            self.tokens_seen += r.tokens
+            self.profiler.before_step(self.step)
+            p = self.train_step(batches, prefetch=self._prefetch_next)
+            self.tokens_seen += p.tokens
             self.step += 1
-            history.append(r.loss)
-            self._log_step(r, dt, wait, bar)
-            if cfg.eval_every and self.step % cfg.eval_every == 0:
+            settle_pending()
+            pending = (p, wait, self.step)
+            self.profiler.after_step(self.step)
+            if self.profiler.summary is not None:
+                self.say(f"profile of steps {cfg.profile_steps}: {self.profiler.out}/summary.md")
+                self.profiler.summary = None
+                t_mark = time.perf_counter()  # writing the trace is not step time
+            eval_due = cfg.eval_every and self.step % cfg.eval_every == 0
+            ckpt_due = cfg.ckpt_every and self.step % cfg.ckpt_every == 0
+            time_up = cfg.time_limit_s and time.perf_counter() - t_start > cfg.time_limit_s
+            if eval_due or ckpt_due or time_up:
+                settle_pending()  # logs, guard counts and checkpoints up to this step
+            if eval_due:
                 val = self.evaluate()
                 self._log_eval(val)
                 t_mark = time.perf_counter()  # evaluation is not step time
-            if cfg.ckpt_every and self.step % cfg.ckpt_every == 0:
+            if ckpt_due:
                 self.save_checkpoint()
                 t_mark = time.perf_counter()
-            if cfg.time_limit_s and time.perf_counter() - t_start > cfg.time_limit_s:
+            if time_up:
                 self.say(f"time limit of {cfg.time_limit_s:.0f}s reached at step {self.step}")
                 break
+        settle_pending()
         if bar is not None:
             bar.close()
         cpu_end = loader_cpu_seconds()
@@ -612,12 +705,13 @@ class Trainer:
             dynamic_ncols=True,
         )
 
-    def _log_step(self, r: StepResult, dt: float, wait: float, bar) -> None:
+    def _log_step(self, r: StepResult, number: int, dt: float, wait: float, bar) -> None:
+        """Logs the step that completed step count `number`."""
         tok_s = r.tokens / dt
         mfu = tok_s * self.flops_token / (self.peak * self.dist.world_size) if self.peak else None
         values = {
             "train/loss": r.loss,
-            "train/lr": lr_at(self.step - 1, self.cfg),
+            "train/lr": lr_at(number - 1, self.cfg),
             "train/grad_norm": r.grad_norm,
             "perf/tokens_per_s": tok_s,
             "perf/step_ms": dt * 1e3,
@@ -628,16 +722,16 @@ class Trainer:
         }
         if self.device.type == "cuda":
             values["perf/gpu_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
-        self.log.scalars(self.step, values)
+        self.log.scalars(number, values)
         if r.skipped:
-            self.say(f"step {self.step}: skipped ({r.skipped})")
-            self.log.text(f"step {self.step} skipped: {r.skipped}")
+            self.say(f"step {number}: skipped ({r.skipped})")
+            self.log.text(f"step {number} skipped: {r.skipped}")
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{r.loss:.3f}", tok_s=f"{tok_s:,.0f}", refresh=False)
-        if self.step % self.cfg.log_every == 0 or self.step == 1:
+        if number % self.cfg.log_every == 0 or number == 1:
             line = (
-                f"step {self.step} loss {r.loss:.4f} lr {values['train/lr']:.2e} grad_norm {r.grad_norm:.3f} "
+                f"step {number} loss {r.loss:.4f} lr {values['train/lr']:.2e} grad_norm {r.grad_norm:.3f} "
                 f"tok/s {tok_s:,.0f} step_ms {dt * 1e3:.1f} data_wait_ms {wait * 1e3:.2f}"
                 + (f" mfu {mfu:.1%}" if mfu else "")
             )

@@ -1,11 +1,13 @@
 """Attention kernels at the GPT-2 124M shape, forward + backward, side by side in one run:
 SDPA restricted to FlashAttention-2, cuDNN and memory-efficient kernels (plain causal), and
-FlexAttention (compiled) with a causal mask and with a document mask like packed rows.
+FlexAttention (compiled) with a causal mask and with a document mask like packed rows, and
+FlashAttention-4 (flash-attn-4, where installed) causal and over document segments.
 
     python scripts/bench_attention_gpu.py [--batch 12] [--seq 1024] [--heads 12] [--head-dim 64]
 
 q, k, v are strided views of one qkv projection, as in pytrain.model, so each kernel sees the
-layout it gets in training. TFLOP/s counts the causal half of the score matrix:
+layout it gets in training. TFLOP/s counts the causal half of the score matrix (for the
+document-masked rows too, which compute less: their figure is the causal work's rate):
 4 * B * H * T^2 * D / 2 for the forward, 2.5x that for the backward. Prints a table last."""
 
 from __future__ import annotations
@@ -98,6 +100,21 @@ def main() -> int:
     results["flex (compiled), document mask"] = timed(
         lambda: flex(q, k, v, block_mask=dmask), x, args.iters
     )
+    from pytrain import flash4
+
+    if flash4.available():
+        # (B, T, H, D) views of the same projection: FA4's own layout, no transpose.
+        q4, k4, v4 = x.unbind(2)
+        results["FA4 (flash-attn-4), causal"] = timed(
+            lambda: flash4.attention(q4, k4, v4, None), x, args.iters
+        )
+        cu = torch.from_numpy(flash4.cu_seqlens(docs.cpu().numpy())).cuda()
+        seg = flash4.Segments(cu, T)
+        results["FA4, document segments (varlen)"] = timed(
+            lambda: flash4.attention(q4, k4, v4, seg), x, args.iters
+        )
+    else:
+        results["FA4 (flash-attn-4)"] = "unavailable: flash-attn-4 not importable"
     flops = 4 * B * H * T * T * D / 2 * 3.5
     print(
         f"\ntorch {torch.__version__}, {torch.cuda.get_device_name()}; B={B} T={T} H={H} D={D} bf16"

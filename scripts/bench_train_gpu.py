@@ -71,13 +71,15 @@ def run_ours(
         )
     ]
     steady = [r for r in rows if r[0] > min(50, steps // 3)]
-    mfu = re.findall(r"mfu ([\d.]+)%", log)
+    # Median over the same steady steps as tokens/s (a single line is noisy).
+    mfu = [float(m) for s, m in re.findall(r"step (\d+) .* mfu ([\d.]+)%", log)
+           if int(s) > min(50, steps // 3)]  # fmt: skip
     return {
         "name": name,
         "tokens_per_s": statistics.median(t for _, t, _, _ in steady),
         "step_ms": statistics.median(ms for *_, ms in steady),
         "data_wait_ms": statistics.median(w for _, _, w, _ in steady),
-        "mfu": float(mfu[-1]) / 100 if mfu else None,
+        "mfu": statistics.median(mfu) / 100 if mfu else None,
         "wall_s": wall,
         "compile_line": next(
             (line for line in r.stdout.splitlines() if line.startswith("compile:")), ""
@@ -85,24 +87,38 @@ def run_ours(
     }
 
 
-def run_nanogpt(peer: Path, batch: int) -> dict:
+def run_nanogpt(peer: Path, batch: int, heads: int = 12) -> dict:
+    """nanoGPT's bench.py as it is, or (heads != 12) a copy beside it whose GPTConfig has
+    `heads` heads: same parameters and FLOPs, another head size (the copy is deleted)."""
+    script, name = "bench.py", "nanoGPT bench.py"
+    if heads != 12:
+        src = (peer / "bench.py").read_text()
+        patched = src.replace("n_head = 12,", f"n_head = {heads},")
+        if patched == src:
+            return {"name": f"nanoGPT bench.py, {heads} heads", "error": "n_head not found"}
+        script, name = f"bench_{heads}heads.py", f"nanoGPT bench.py, {heads} heads"
+        (peer / script).write_text(patched)
     cmd = [
         sys.executable,
-        "bench.py",
+        script,
         "--real_data=False",
         f"--batch_size={batch}",
         "--compile=True",
     ]
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=peer)
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=peer)
+    finally:
+        if script != "bench.py":
+            (peer / script).unlink()
     wall = time.perf_counter() - t0
     m = re.search(r"time per iteration: ([\d.]+)ms, MFU: ([\d.]+)%", r.stdout)
     if r.returncode != 0 or not m:
         print(r.stdout[-3000:], r.stderr[-5000:], file=sys.stderr)
-        return {"name": "nanoGPT bench.py", "error": "failed"}
+        return {"name": name, "error": "failed"}
     ms = float(m.group(1))
     return {
-        "name": "nanoGPT bench.py",
+        "name": name,
         "tokens_per_s": batch * 1024 / (ms / 1e3),
         "step_ms": ms,
         "wall_s": wall,
@@ -126,6 +142,12 @@ def main() -> int:
         help="attention:compile_mode[:sdpa_backend[:cdt]], comma-separated; reduce-overhead runs "
         "with --no-compile.safe_env so that CUDA graphs are really on; cdt turns on Inductor's "
         "coordinate-descent tuning; '+FLAG' appends a trainer flag (e.g. +--activation_checkpointing=full)",
+    )
+    p.add_argument(
+        "--nanogpt-heads",
+        default="12",
+        help="comma-separated head counts for nanoGPT's bench (12 is its own config); the "
+        "first is the baseline of the ratios",
     )
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
@@ -156,9 +178,11 @@ def main() -> int:
             )  # fmt: skip
         )
         print(json.dumps(results[-1]), flush=True)
-    results.append(run_nanogpt(args.nanogpt, args.batch))
-    print(json.dumps(results[-1]), flush=True)
-    base = results[-1].get("tokens_per_s")
+    peers = [run_nanogpt(args.nanogpt, args.batch, int(h)) for h in args.nanogpt_heads.split(",")]
+    for r in peers:
+        print(json.dumps(r), flush=True)
+    results += peers
+    base = peers[0].get("tokens_per_s")
     if args.json:
         args.json.write_text(json.dumps({"env": env, "results": results}, indent=1))
     print(f"\n| run ({env}) | tokens/s | step ms | data wait ms | MFU (989 TF peak) | vs nanoGPT |")

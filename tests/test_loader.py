@@ -276,6 +276,56 @@ def test_derived_position_ids_and_loss_mask_follow_the_definition():
         assert np.array_equal(loss_mask(t).numpy(), mask)
 
 
+def reference_segments(doc: np.ndarray) -> list[tuple[int, int]]:
+    """(start, end) of each run of one id within a row, in flattened positions."""
+    rows, width = doc.shape
+    out = []
+    for r in range(rows):
+        start = 0
+        for t in range(1, width + 1):
+            if t == width or doc[r, t] != doc[r, t - 1]:
+                out.append((r * width + start, r * width + t))
+                start = t
+    return out
+
+
+def test_cu_seqlens_are_the_document_runs_of_each_row():
+    from pytrain.flash4 import cu_seqlens
+
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        rows, width = int(rng.integers(1, 5)), int(rng.integers(1, 30))
+        # Few ids, so the same id often ends one row and starts the next (a document cut
+        # across rows is two segments), and -1 padding runs appear too.
+        doc = rng.integers(-1, 3, size=(rows, width)).astype(np.int32)
+        doc.sort(axis=1)
+        cu = cu_seqlens(doc)
+        want = reference_segments(doc)
+        n = len(want)
+        assert cu.dtype == np.int32 and len(cu) > n and len(cu) & (len(cu) - 1) == 0
+        assert [(int(a), int(b)) for a, b in zip(cu[:n], cu[1 : n + 1], strict=True)] == want
+        assert (cu[n:] == rows * width).all()  # padding: empty segments at the end
+
+
+def test_batch_segments_start_where_positions_restart(synthetic_dataset):
+    loader = TokenLoader(synthetic_dataset[0], seq_len=64, batch_size=3, num_epochs=1)
+    for i, b in enumerate(loader):
+        cu = b.cu_seqlens.numpy()
+        pos = b.position_ids[:, :-1].numpy().reshape(-1)
+        doc = b.doc_ids[:, :-1].numpy().reshape(-1)
+        starts = set(cu[cu < pos.size].tolist())
+        real = doc >= 0
+        # A document token starts a segment exactly where its position id is 0 or a row
+        # begins (a document continued from the previous row keeps counting positions).
+        row_start = np.arange(pos.size) % 64 == 0
+        assert {int(j) for j in np.flatnonzero(real & ((pos == 0) | row_start))} == {
+            j for j in starts if real[j]
+        }
+        b.release()
+        if i > 20:
+            break
+
+
 @pytest.mark.parametrize("fixture", ["synthetic_dataset", "small_corpus"])
 def test_slots_hold_tokens_at_dataset_width_and_loss_tokens_are_exact(request, fixture):
     data = request.getfixturevalue(fixture)

@@ -116,22 +116,35 @@ def test_nan_step_is_skipped_and_repeated_failures_stop(small_corpus, tmp_path, 
     before = [p.detach().clone() for p in t.gpt.parameters()]
     real = t._micro_loss
     monkeypatch.setattr(t, "_micro_loss", lambda b: real(b) * float("nan"))
-    r = t.train_step(device_batches(t, 1))
+    moments = [dict(t.optimizer.state[p]) for p in t.gpt.parameters()]
+    r = t.settle(t.train_step(device_batches(t, 1)))
     assert r.skipped and "non-finite" in r.skipped
     assert all(torch.equal(a, b) for a, b in zip(before, t.gpt.parameters(), strict=True))
-    t.train_step(device_batches(t, 1))
+    for m, p in zip(moments, t.gpt.parameters(), strict=True):  # moments untouched too
+        assert all(torch.equal(v, t.optimizer.state[p][k]) for k, v in m.items())
+    t.settle(t.train_step(device_batches(t, 1)))
     with pytest.raises(TrainingStopped, match="3 bad steps in a row"):
-        t.train_step(device_batches(t, 1))
+        t.settle(t.train_step(device_batches(t, 1)))
     t.close()
 
 
-def test_spike_guard():
+def test_spike_guard_decides_on_tensors_and_explains_on_the_host():
     g = StepGuard(spike_factor=3.0, max_bad=5, warmup=2)
-    for step in range(5):
-        g.record(g.check(step, 2.0, 1.0), 2.0)
-    assert g.check(6, 5.0, 1.0) is None
-    assert "spike" in g.check(6, 7.0, 1.0)
-    assert "non-finite" in g.check(6, 2.0, math.inf)
+
+    def step(n: int, loss: float, norm: float = 1.0) -> str | None:
+        bad, ema = g.check(n, torch.tensor(loss), torch.tensor(norm))
+        assert bad.dtype == torch.bool and bad.dim() == 0
+        return g.record(bool(bad), loss, norm, float(ema))
+
+    assert all(step(n, 2.0) is None for n in range(5))
+    assert step(5, 5.0) is None  # below 3 x 2.0; it moves the running mean up a little
+    assert "spike" in step(6, 7.0) and "running mean 2.150" in step(7, 7.0)
+    assert "non-finite" in step(8, 2.0, math.inf) and g.skipped == 3
+    assert step(9, 2.0) is None and g.bad_in_row == 0
+    # The running mean survives a checkpoint exactly.
+    h = StepGuard(spike_factor=3.0, max_bad=5, warmup=2)
+    h.load_state_dict(g.state_dict())
+    assert float(h.check(10, torch.tensor(2.0), torch.tensor(1.0))[1]) == float(g._ema_t)
 
 
 def test_compile_failure_falls_back_and_reruns_the_same_step(small_corpus, tmp_path):
@@ -242,3 +255,26 @@ def test_sdpa_backend_choice_keeps_the_loss_and_unknown_names_fail():
     assert torch.allclose(losses["auto"], losses["math"], atol=1e-5)
     with pytest.raises(ValueError, match="sdpa_backend 'fa3'"):
         GPT(ModelConfig(vocab_size=64, n_layer=1, n_head=2, d_model=32, sdpa_backend="fa3"))
+
+
+def test_profile_window_writes_a_trace_and_a_summary(small_corpus, tmp_path):
+    t = Trainer(small_cfg(small_corpus, tmp_path, "--max_steps", "4", "--profile_steps", "1:3"))
+    t.fit()
+    out = tmp_path / "runs" / "t" / "profile"
+    summary = (out / "summary.json").read_text()
+    assert (out / "trace.json").stat().st_size > 0
+    assert '"steps": 2' in summary and (out / "summary.md").exists()
+    t.close()
+    with pytest.raises(ValueError, match="profile_steps '3:1'"):
+        Trainer(small_cfg(small_corpus, tmp_path / "b", "--profile_steps", "3:1"))
+
+
+def test_fa4_without_its_gpu_is_a_clear_error():
+    from pytrain.model import GPT
+    from pytrain.model_config import ModelConfig
+
+    gpt = GPT(ModelConfig(vocab_size=64, n_layer=1, n_head=2, d_model=32, attention="fa4"))
+    with pytest.raises(ValueError, match="needs a Hopper or Blackwell GPU"):
+        gpt.attention_backend(torch.device("cpu"), compiled=False)
+    with pytest.raises(ValueError, match="needs the batch's cu_seqlens"):
+        gpt.make_mask(torch.zeros(1, 4, dtype=torch.int32), "fa4", None)

@@ -1,0 +1,161 @@
+"""FlashAttention-4 (the CuTe DSL kernels of the optional `flash-attn-4` package) as torch
+custom ops, so that torch.compile keeps the model in one graph around them.
+
+Why: on Hopper the kernels behind torch's SDPA (FlashAttention-2, cuDNN) run GPT-2-sized
+attention (head size 64, 1,024 tokens) at 76-113 TFLOP/s (BENCHMARKS.md); FA4's sm90 kernels
+are of the FlashAttention-3 class. Its variable-length form takes document boundaries
+(`cu_seqlens`), which is document masking of packed rows that computes only each document's
+own causal blocks, so it costs less than causal attention over the whole row.
+
+Layout: q, k, v are (batch, seq, heads, head_dim), the layout a fused qkv projection makes, so
+no transpose is needed. With `cu_seqlens` the batch and sequence dimensions are flattened and
+each segment [cu[i], cu[i+1]) attends causally within itself; trailing repeats of the total
+are empty segments (padding that keeps the number of shapes small)."""
+
+import functools
+from typing import NamedTuple, Optional  # custom-op schemas of older torch read Optional
+
+import numpy as np
+import torch
+
+__all__ = ["Segments", "attention", "available", "cu_seqlens"]
+
+
+class Segments(NamedTuple):
+    """Document boundaries of a flattened batch: int32 offsets and the longest segment's
+    length bound (the row length: a bound, so reading it needs no device sync)."""
+
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+
+
+def cu_seqlens(doc_ids: np.ndarray) -> np.ndarray:
+    """int32 segment offsets of a (rows, width) array of document ids: a segment starts at
+    every row start and wherever the id changes (padding runs are segments of their own,
+    so they never mix with a document). Padded with the total to a power-of-two length,
+    so a run sees a handful of shapes rather than one per document count."""
+    rows, width = doc_ids.shape
+    starts = np.ones((rows, width), dtype=bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    idx = np.flatnonzero(starts)
+    out = np.full(1 << len(idx).bit_length(), rows * width, dtype=np.int32)
+    out[: len(idx)] = idx
+    return out
+
+
+@functools.cache
+def available(device_index: int = 0) -> bool:
+    """True when flash-attn-4 imports and the GPU is a Hopper or Blackwell (sm90/sm100)."""
+    if not torch.cuda.is_available():
+        return False
+    if torch.cuda.get_device_capability(device_index)[0] not in (9, 10):
+        return False
+    try:
+        from flash_attn.cute import interface  # noqa: F401
+    except Exception:  # ImportError, or the CuTe DSL runtime failing to load
+        return False
+    return True
+
+
+@torch.library.custom_op("pytrain::fa4_fwd", mutates_args=(), device_types="cuda")
+def _fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu: Optional[torch.Tensor],
+    max_seqlen: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    out, lse, *_ = _flash_attn_fwd(
+        q,
+        k,
+        v,
+        cu_seqlens_q=cu,
+        cu_seqlens_k=cu,
+        max_seqlen_q=max_seqlen if cu is not None else None,
+        max_seqlen_k=max_seqlen if cu is not None else None,
+        causal=True,
+        return_lse=True,
+    )
+    return out, lse
+
+
+@_fwd.register_fake
+def _fwd_fake(q, k, v, cu, max_seqlen):
+    # The shapes _flash_attn_fwd allocates: out contiguous like q, lse in fp32 with heads
+    # before tokens.
+    if cu is None:
+        b, t, h, _ = q.shape
+        lse = q.new_empty((b, h, t), dtype=torch.float32)
+    else:
+        total, h, _ = q.shape
+        lse = q.new_empty((h, total), dtype=torch.float32)
+    return q.new_empty(q.shape), lse
+
+
+@torch.library.custom_op("pytrain::fa4_bwd", mutates_args=(), device_types="cuda")
+def _bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu: Optional[torch.Tensor],
+    max_seqlen: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from flash_attn.cute.interface import _flash_attn_bwd
+
+    dq, dk, dv = _flash_attn_bwd(
+        q,
+        k,
+        v,
+        out,
+        dout,
+        lse,
+        causal=True,
+        cu_seqlens_q=cu,
+        cu_seqlens_k=cu,
+        max_seqlen_q=max_seqlen if cu is not None else None,
+        max_seqlen_k=max_seqlen if cu is not None else None,
+    )
+    return dq, dk, dv
+
+
+@_bwd.register_fake
+def _bwd_fake(dout, q, k, v, out, lse, cu, max_seqlen):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup(ctx, inputs, output) -> None:
+    q, k, v, cu, max_seqlen = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu)
+    ctx.max_seqlen = max_seqlen
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse, cu = ctx.saved_tensors
+    dq, dk, dv = _bwd(dout, q, k, v, out, lse, cu, ctx.max_seqlen)
+    return dq, dk, dv, None, None
+
+
+_fwd.register_autograd(_backward, setup_context=_setup)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segments: Optional[Segments],
+) -> torch.Tensor:
+    """Causal attention of (B, T, H, D) q, k, v, within documents when `segments` is given
+    (else over whole rows). Returns (B, T, H, D)."""
+    if segments is None:
+        out, _ = _fwd(q, k, v, None, q.shape[1])
+        return out
+    b, t, h, d = q.shape
+    flat = [x.reshape(b * t, h, x.shape[-1]) for x in (q, k, v)]
+    out, _ = _fwd(*flat, segments.cu_seqlens, segments.max_seqlen)
+    return out.view(b, t, h, d)

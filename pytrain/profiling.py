@@ -1,0 +1,126 @@
+"""A profiler window over training steps (`--profile_steps A:B`), and the per-step kernel
+summary that scripts/profile_step_gpu.py prints for our trainer and for nanoGPT side by side.
+
+Kernels are grouped by what they do (matmul, attention, Inductor's generated kernels, the
+optimizer, copies) so two trainers can be compared even though their kernel names differ;
+the device's busy time per step against the step's wall time shows how long it sat idle."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+# First match wins; names as CUDA, cuBLAS, cuDNN, FlashAttention and Triton report them.
+CATEGORIES = (
+    (
+        "attention backward",
+        r"(flash|fmha|attention|attn|sdpa).*(bwd|backward|dq|dk|dv)|bwd.*(flash|fmha|attn)",
+    ),
+    ("attention forward", r"flash|fmha|attention|attn|sdpa"),
+    ("matmul", r"gemm|nvjet|sm90_xmma|cutlass|cublas|wgmma|matmul|mm_"),
+    ("optimizer", r"adam|foreach|multi_tensor|norm_kernel|fused_adam"),
+    ("cross-entropy / softmax", r"log_softmax|nll_loss|cross_entropy|softmax"),
+    ("copies / memset", r"memcpy|memset|copy|fill|cat_"),
+    ("generated elementwise / norms (triton)", r"^triton_|triton"),
+)
+
+
+def category(kernel: str) -> str:
+    low = kernel.lower()
+    for name, pattern in CATEGORIES:
+        if re.search(pattern, low):
+            return name
+    return "other"
+
+
+def kernel_summary(prof: torch.profiler.profile, steps: int, wall_s: float) -> dict:
+    """Device time per step by category (ms), the top kernels, and busy vs wall time."""
+    by_cat: dict[str, float] = {}
+    kernels: dict[str, float] = {}
+    for evt in prof.key_averages():
+        us = getattr(evt, "self_device_time_total", 0.0) or 0.0
+        if us <= 0 or evt.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        kernels[evt.key] = kernels.get(evt.key, 0.0) + us
+        cat = category(evt.key)
+        by_cat[cat] = by_cat.get(cat, 0.0) + us
+    busy = sum(by_cat.values()) / 1e3 / steps
+    step_ms = wall_s * 1e3 / steps
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
+    return {
+        "steps": steps,
+        "step_ms": step_ms,
+        "device_busy_ms": busy,
+        "device_idle_ms": step_ms - busy,
+        "categories_ms": {
+            k: v / 1e3 / steps for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])
+        },
+        "top_kernels_ms": [(k[:120], v / 1e3 / steps) for k, v in top],
+    }
+
+
+def format_summary(s: dict) -> str:
+    lines = [
+        f"step {s['step_ms']:.2f} ms: device busy {s['device_busy_ms']:.2f} ms, idle {s['device_idle_ms']:.2f} ms",
+        "| category | ms per step |",
+        "|---|---|",
+        *(f"| {k} | {v:.3f} |" for k, v in s["categories_ms"].items()),
+        "",
+        "| kernel | ms per step |",
+        "|---|---|",
+        *(f"| `{k}` | {v:.3f} |" for k, v in s["top_kernels_ms"]),
+    ]
+    return "\n".join(lines)
+
+
+class StepProfiler:
+    """Starts torch.profiler at step A and stops after step B-1 ('A:B'), then writes
+    trace.json and summary.{json,md} under `out`. Inactive for an empty spec."""
+
+    def __init__(self, spec: str, out: Path, device: torch.device):
+        self.start = self.stop = -1
+        if spec:
+            try:
+                a, b = (int(x) for x in spec.split(":"))
+            except ValueError:
+                raise ValueError(
+                    f"profile_steps {spec!r} is not 'A:B' (two step numbers)"
+                ) from None
+            if not 0 <= a < b:
+                raise ValueError(f"profile_steps {spec!r}: need 0 <= A < B")
+            self.start, self.stop = a, b
+        self.out, self.device, self.prof, self.t0 = out, device, None, 0.0
+        self.summary: dict | None = None
+
+    def before_step(self, step: int) -> None:
+        if step != self.start:
+            return
+        import time
+
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+            torch.cuda.synchronize(self.device)
+        self.prof = torch.profiler.profile(activities=acts)
+        self.prof.__enter__()
+        self.t0 = time.perf_counter()
+
+    def after_step(self, step_done: int) -> None:
+        """`step_done`: the number of completed steps (the trainer's step counter)."""
+        if self.prof is None or step_done != self.stop:
+            return
+        import time
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        wall = time.perf_counter() - self.t0
+        self.prof.__exit__(None, None, None)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.prof.export_chrome_trace(str(self.out / "trace.json"))
+        self.summary = kernel_summary(self.prof, self.stop - self.start, wall)
+        (self.out / "summary.json").write_text(json.dumps(self.summary, indent=1))
+        (self.out / "summary.md").write_text(format_summary(self.summary) + "\n")
+        self.prof = None

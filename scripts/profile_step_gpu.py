@@ -1,0 +1,104 @@
+"""Where a training step's time goes on the GPU, ours next to nanoGPT's, in one run.
+
+    python scripts/profile_step_gpu.py --nanogpt PATH [--batch 12] [--ours-flags "..."]
+
+Ours: the GPT-2 124M preset through `python -m pytrain.train --profile_steps 40:50` (the
+real trainer: loader, guard, logging). nanoGPT: its model.py and bench.py's loop (random
+ids on the device, fused AdamW, bf16 autocast, torch.compile), profiled over the same number
+of steps after the same warm-up. Prints per-step device time by kernel category, the
+device's idle time (step wall time minus busy time), and each side's top kernels."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench_train_gpu import synthetic_dataset  # noqa: E402 (scripts/ is sys.path[0])
+
+from pytrain.profiling import StepProfiler, format_summary  # noqa: E402
+
+
+def profile_ours(data: Path, out: Path, batch: int, flags: list[str]) -> dict:
+    name = "profile-ours"
+    cmd = [
+        sys.executable, "-m", "pytrain.train", "--config", str(ROOT / "configs/gpt2-124m.toml"),
+        "--data.path", str(data), "--out_dir", str(out), "--name", name, "--no-resume",
+        "--max_steps", "60", "--profile_steps", "40:50", "--optim.grad_accum", "1",
+        "--data.batch_size", str(batch), "--eval_every", "0", "--ckpt_every", "0",
+        "--log_every", "10", "--samples", "0", "--no-progress", *flags,
+    ]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(f"our trainer failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    return json.loads((out / name / "profile" / "summary.json").read_text())
+
+
+def profile_nanogpt(peer: Path, batch: int, out: Path) -> dict:
+    import torch
+
+    sys.path.insert(0, str(peer))
+    from model import GPT, GPTConfig  # nanoGPT's model.py
+
+    torch.manual_seed(1337)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    # bench.py's configuration.
+    cfg = GPTConfig(block_size=1024, n_layer=12, n_head=12, n_embd=768, dropout=0, bias=False)
+    model = GPT(cfg).cuda()
+    opt = model.configure_optimizers(
+        weight_decay=1e-2, learning_rate=1e-4, betas=(0.9, 0.95), device_type="cuda"
+    )
+    model = torch.compile(model)
+    x = torch.randint(50304, (batch, 1024), device="cuda")
+    y = torch.randint(50304, (batch, 1024), device="cuda")
+    prof = StepProfiler("20:30", out / "nanogpt-profile", torch.device("cuda"))
+    for step in range(30):
+        prof.before_step(step)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, loss = model(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        loss.item()  # bench.py reads the loss every step
+        prof.after_step(step + 1)
+    return prof.summary or json.loads((out / "nanogpt-profile" / "summary.json").read_text())
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--nanogpt", type=Path, required=True)
+    p.add_argument("--batch", type=int, default=12)
+    p.add_argument("--ours-flags", default="", help="extra trainer flags, one shell string")
+    p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "pytrain-bench")
+    args = p.parse_args()
+    data = synthetic_dataset(args.work / "synthetic-50k", 40_000)
+    t0 = time.perf_counter()
+    ours = profile_ours(data, args.work / "runs", args.batch, shlex.split(args.ours_flags))
+    theirs = profile_nanogpt(args.nanogpt, args.batch, args.work)
+    print(f"profiled in {time.perf_counter() - t0:.0f}s")
+    for name, s in (("ours " + args.ours_flags, ours), ("nanoGPT", theirs)):
+        print(f"\n## {name}\n\n{format_summary(s)}")
+    cats = sorted(set(ours["categories_ms"]) | set(theirs["categories_ms"]))
+    print("\n| ms per step | ours | nanoGPT |\n|---|---|---|")
+    for key, label in (("step_ms", "step (wall)"), ("device_busy_ms", "device busy"),
+                       ("device_idle_ms", "device idle")):  # fmt: skip
+        print(f"| {label} | {ours[key]:.2f} | {theirs[key]:.2f} |")
+    for c in cats:
+        a, b = ours["categories_ms"].get(c, 0.0), theirs["categories_ms"].get(c, 0.0)
+        print(f"| {c} | {a:.2f} | {b:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
