@@ -159,12 +159,12 @@ class HostBatch:
             self._loader.release(self._slot)
             self._loader = None
 
-    def to(self, device: torch.device | str) -> DeviceBatch:
+    def to(self, device: torch.device | str, segments: bool = False) -> DeviceBatch:
         """Copies to `device` (non-blocking from pinned memory) and releases the slot as
         soon as the copy has completed. On the CPU it copies and releases at once."""
         device = torch.device(device)
         if device.type == "cpu":
-            out = DeviceBatch.of(self, lambda t: t.clone())
+            out = DeviceBatch.of(self, lambda t: t.clone(), segments)
             self.release()
             return out
         # Copy on a side stream, so the copy (and the host work before it) overlaps the
@@ -174,19 +174,14 @@ class HostBatch:
         compute = torch.cuda.current_stream(device)
         side = _copy_stream(device)
         with torch.cuda.stream(side):
-            out = DeviceBatch.of(self, lambda t: t.to(device, non_blocking=True))
+            out = DeviceBatch.of(self, lambda t: t.to(device, non_blocking=True), segments)
             done = torch.cuda.Event()
             done.record(side)
         compute.wait_event(done)
-        for t in (
-            out.input_ids,
-            out.targets,
-            out.position_ids,
-            out.doc_ids,
-            out.loss_mask,
-            out.cu_seqlens,
-        ):
+        for t in (out.input_ids, out.targets, out.position_ids, out.doc_ids, out.loss_mask):
             t.record_stream(compute)  # memory made on the side stream, used on compute
+        if out.cu_seqlens is not None:
+            out.cu_seqlens.record_stream(compute)
         out._pending_release = self
         out._copy_done = done
         return out
@@ -221,8 +216,9 @@ class DeviceBatch:
     _copy_done: torch.cuda.Event | None = None
 
     @staticmethod
-    def of(b: HostBatch, move) -> DeviceBatch:
-        """Moves tokens and doc ids with `move`, then derives the rest where they landed."""
+    def of(b: HostBatch, move, segments: bool = False) -> DeviceBatch:
+        """Moves tokens and doc ids with `move`, then derives the rest where they landed.
+        `segments`: also the document segments (only FA4 reads them; host work per batch)."""
         ids = token_ids(move(b.tokens))
         doc_ids = move(b.doc_ids)
         return DeviceBatch(
@@ -231,7 +227,7 @@ class DeviceBatch:
             position_ids=position_ids(doc_ids)[:, :-1],
             doc_ids=doc_ids[:, :-1],
             loss_mask=loss_mask(doc_ids)[:, :-1],
-            cu_seqlens=move(b.cu_seqlens),
+            cu_seqlens=move(b.cu_seqlens) if segments else None,
             epoch=b.epoch,
             doc_tokens=b.doc_tokens,
             pad_tokens=b.pad_tokens,

@@ -1,11 +1,11 @@
 """FlashAttention-4 (the CuTe DSL kernels of the optional `flash-attn-4` package) as torch
 custom ops, so that torch.compile keeps the model in one graph around them.
 
-Why: on Hopper the kernels behind torch's SDPA (FlashAttention-2, cuDNN) run GPT-2-sized
-attention (head size 64, 1,024 tokens) at 76-113 TFLOP/s (BENCHMARKS.md); FA4's sm90 kernels
-are of the FlashAttention-3 class. Its variable-length form takes document boundaries
-(`cu_seqlens`), which is document masking of packed rows that computes only each document's
-own causal blocks, so it costs less than causal attention over the whole row.
+Why: its variable-length form takes document boundaries (`cu_seqlens`), which is document
+masking of packed rows that computes only each document's own causal blocks. On the H100 it
+made document masking free against plain causal attention in the GPT-2 124M step, where
+FlexAttention's document mask cost 23-34% (BENCHMARKS.md); the kernel alone is not faster
+than cuDNN's at head sizes 64 and 128.
 
 Layout: q, k, v are (batch, seq, heads, head_dim), the layout a fused qkv projection makes, so
 no transpose is needed. With `cu_seqlens` the batch and sequence dimensions are flattened and

@@ -382,10 +382,15 @@ class Trainer:
             self._in_flight = [b for b in self._in_flight if not b.release_host()]
             while len(self._in_flight) >= max(1, self.cfg.data.slots - 1):
                 self._in_flight.pop(0).release_host(wait=True)
-            b = next(self.loader).to(self.device)
+            b = self._to_device(next(self.loader))
             self._in_flight.append(b)
             out.append(b)
         return out, time.perf_counter() - t0
+
+    def _to_device(self, hb: HostBatch) -> DeviceBatch:
+        """Copies a loader batch to the device, with its document segments only when the
+        attention backend reads them (FA4)."""
+        return hb.to(self.device, segments=self.attention == "fa4")
 
     def _prefetch_next(self) -> None:
         """Fetches the next step's micro-batches while this step's kernels run, after
@@ -545,7 +550,7 @@ class Trainer:
                 _slot=-1,
                 _loader=None,
             )
-            b = host.to(self.device)
+            b = self._to_device(host)
             self.train_step_dry(b)
         distributed.barrier(self.dist)
         self.expected_graphs = compile_policy.compiled_graphs()
@@ -578,7 +583,7 @@ class Trainer:
             if i >= self.cfg.eval_batches:
                 hb.release()
                 break
-            b = hb.to(self.device)
+            b = self._to_device(hb)
             with torch.autocast(
                 self.device.type,
                 dtype=self.precision.dtype,
