@@ -18,10 +18,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pytrain import flash4
+from pytrain import flash4, fused_ce
 from pytrain.model_config import ModelConfig
 
 __all__ = ["GPT", "ModelConfig", "document_mask"]
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The autocast dtype where autocast is on for x's device, else x's own."""
+    t = x.device.type
+    return torch.get_autocast_dtype(t) if torch.is_autocast_enabled(t) else x.dtype
 
 
 class RMSNorm(nn.Module):
@@ -231,32 +237,48 @@ class GPT(nn.Module):
 
     def forward(self, input_ids, position_ids=None, mask=None) -> torch.Tensor:
         """Logits (B, T, vocab). `mask` comes from make_mask (None: plain causal)."""
+        return self.head(self.hidden(input_ids, position_ids, mask))
+
+    def hidden(self, input_ids, position_ids=None, mask=None) -> torch.Tensor:
+        """The normalised last hidden state (B, T, d_model), what the output layer reads."""
         B, T = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
         pos = position_ids.long()
         x = self.embed(input_ids)
-        dtype = (
-            torch.get_autocast_dtype(x.device.type)
-            if torch.is_autocast_enabled(x.device.type)
-            else x.dtype
-        )
+        dtype = compute_dtype(x)
+        if self.cfg.residual == "compute":
+            x = x.to(dtype)
+        elif self.cfg.residual != "fp32":
+            raise ValueError(f"residual {self.cfg.residual!r} is not fp32 or compute")
         cos, sin = (t[pos][:, :, None].to(dtype) for t in (self.rope_cos, self.rope_sin))
         for i, block in enumerate(self.blocks):
             if self.training and self.checkpoint_every and i % self.checkpoint_every == 0:
                 x = checkpoint(block, x, cos, sin, mask, use_reentrant=False)
             else:
                 x = block(x, cos, sin, mask)
-        return self.head(self.norm(x))
+        return self.norm(x)
+
+    def uses_fused_ce(self, device: torch.device) -> bool:
+        """Whether training steps compute the loss with pytrain.fused_ce."""
+        choice = self.cfg.fused_ce
+        if choice not in ("auto", "on", "off"):
+            raise ValueError(f"fused_ce {choice!r} is not auto, on or off")
+        return choice == "on" or (choice == "auto" and fused_ce.triton_available(device))
 
     def loss_sum(self, input_ids, targets, position_ids, loss_mask, mask) -> torch.Tensor:
         """Cross-entropy summed over the tokens where loss_mask is true. Masked targets
         become ignore_index, so no fp32 copy of the logits is made outside the fused
-        kernel (cross_entropy computes in fp32 under autocast)."""
-        logits = self(input_ids, position_ids, mask)
-        targets = torch.where(loss_mask, targets, -100)
+        kernel (cross_entropy computes in fp32 under autocast). In training with
+        `fused_ce`, the output layer and the loss are one op (pytrain.fused_ce)."""
+        h = self.hidden(input_ids, position_ids, mask)
+        targets = torch.where(loss_mask, targets, fused_ce.IGNORE_INDEX).flatten()
+        if self.training and torch.is_grad_enabled() and self.uses_fused_ce(h.device):
+            x = h.flatten(0, 1).to(compute_dtype(h))
+            return fused_ce.linear_cross_entropy(x, self.head.weight, targets)
+        logits = self.head(h)
         return F.cross_entropy(
-            logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum"
+            logits.flatten(0, 1), targets, ignore_index=fused_ce.IGNORE_INDEX, reduction="sum"
         )
 
     @torch.no_grad()

@@ -25,4 +25,11 @@ class ModelConfig:
     'flash', 'efficient', 'math', or 'fa4' (FlashAttention-4 from the flash-attn-4 package,
     for plain causal attention: attention='causal' and evaluation without documents).
     scripts/bench_attention_gpu.py measures them."""
+    residual: str = "fp32"
+    """dtype of the residual stream under autocast: 'fp32' (the parameters' dtype, as
+    nanoGPT keeps it) or 'compute' (bf16/fp16: half the memory traffic of the norms and
+    residual adds, as trainers with bf16 parameters have it)."""
+    fused_ce: str = "auto"
+    """Output layer + cross-entropy as one op that never keeps the logits
+    (`pytrain.fused_ce`), in training: 'auto' (on CUDA with Triton), 'on', 'off'."""
     max_seq_len: int = 4096

@@ -22,7 +22,7 @@ CATEGORIES = (
     ("attention forward", r"flash|fmha|attention|attn|sdpa"),
     ("matmul", r"gemm|nvjet|sm90_xmma|cutlass|cublas|wgmma|matmul|mm_"),
     ("optimizer", r"adam|foreach|multi_tensor|norm_kernel|fused_adam"),
-    ("cross-entropy / softmax", r"log_softmax|nll_loss|cross_entropy|softmax"),
+    ("cross-entropy / softmax", r"log_softmax|nll_loss|cross_entropy|softmax|ce_grad"),
     ("copies / memset", r"memcpy|memset|copy|fill|cat_"),
     ("generated elementwise / norms (triton)", r"^triton_|triton"),
 )
@@ -44,13 +44,16 @@ def kernel_summary(prof: torch.profiler.profile, steps: int, wall_s: float) -> d
         us = getattr(evt, "self_device_time_total", 0.0) or 0.0
         if us <= 0 or evt.device_type != torch.autograd.DeviceType.CUDA:
             continue
+        if getattr(evt, "is_user_annotation", False) or "#" in evt.key:
+            continue  # a range such as Optimizer.step#AdamW.step, not a kernel
         kernels[evt.key] = kernels.get(evt.key, 0.0) + us
         cat = category(evt.key)
         by_cat[cat] = by_cat.get(cat, 0.0) + us
     busy = sum(by_cat.values()) / 1e3 / steps
     step_ms = wall_s * 1e3 / steps
-    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:40]
     return {
+        "idle_gaps": idle_gaps(prof, steps),
         "steps": steps,
         "step_ms": step_ms,
         "device_busy_ms": busy,
@@ -60,6 +63,31 @@ def kernel_summary(prof: torch.profiler.profile, steps: int, wall_s: float) -> d
         },
         "top_kernels_ms": [(k[:120], v / 1e3 / steps) for k, v in top],
     }
+
+
+def idle_gaps(prof: torch.profiler.profile, steps: int, min_us: float = 20.0) -> list:
+    """Where the device waits: gaps of at least `min_us` between one kernel's end and the
+    next kernel's start, summed per (kernel before, kernel after) pair, ms per step; the
+    largest first. A gap after the last kernel of a step means the host queued the next
+    one late; one inside a step, that the host waited on something there."""
+    spans = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+        and not getattr(e, "is_user_annotation", False)
+        and "#" not in e.name
+    )
+    pairs: dict[tuple[str, str], list[float]] = {}
+    end, before = None, ""
+    for start, stop, name in spans:
+        if end is not None and start - end >= min_us:
+            acc = pairs.setdefault((before[:70], name[:70]), [0.0, 0])
+            acc[0] += start - end
+            acc[1] += 1
+        if end is None or stop > end:
+            end, before = stop, name
+    ranked = sorted(pairs.items(), key=lambda kv: -kv[1][0])[:12]
+    return [(a, b, us / 1e3 / steps, n) for (a, b), (us, n) in ranked]
 
 
 def format_summary(s: dict) -> str:
@@ -72,6 +100,10 @@ def format_summary(s: dict) -> str:
         "| kernel | ms per step |",
         "|---|---|",
         *(f"| `{k}` | {v:.3f} |" for k, v in s["top_kernels_ms"]),
+        "",
+        "| idle gap after | before | ms per step | gaps |",
+        "|---|---|---|---|",
+        *(f"| `{a}` | `{b}` | {ms:.3f} | {n} |" for a, b, ms, n in s.get("idle_gaps", [])),
     ]
     return "\n".join(lines)
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pytrain import checkpoint, compile_policy, distributed, flash4
+from pytrain import checkpoint, compile_policy, distributed, flash4, optim
 from pytrain.config import TrainConfig, to_dict
 from pytrain.data import DeviceBatch, HostBatch, TokenLoader
 from pytrain.metrics import RunLog, flops_per_token, loader_cpu_seconds, peak_flops
@@ -66,36 +66,6 @@ def checkpoint_every(spec: str) -> int:
     if spec.startswith("every-") and spec[6:].isdigit() and int(spec[6:]) > 0:
         return int(spec[6:])
     raise ValueError(f"activation_checkpointing {spec!r} is not off, full or every-N")
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    o = cfg.optim
-    if step < o.warmup_steps:
-        return o.lr * (step + 1) / o.warmup_steps
-    if o.schedule == "constant":
-        return o.lr
-    frac = min(1.0, (step - o.warmup_steps) / max(1, cfg.max_steps - o.warmup_steps))
-    min_lr = o.lr * o.min_lr_ratio
-    if o.schedule == "linear":
-        return o.lr - (o.lr - min_lr) * frac
-    return min_lr + 0.5 * (o.lr - min_lr) * (1 + math.cos(math.pi * frac))
-
-
-def make_optimizer(gpt: GPT, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices only (not norms); fused on CUDA."""
-    params = [p for p in gpt.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    groups = [
-        {"params": decay, "weight_decay": cfg.optim.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(
-        groups,
-        lr=cfg.optim.lr,
-        betas=(cfg.optim.beta1, cfg.optim.beta2),
-        fused=device.type == "cuda",
-    )
 
 
 @dataclass
@@ -219,7 +189,7 @@ class Trainer:
         self.module = distributed.wrap(LossModule(self.gpt), self.dist, self.device, cfg.fsdp)
         self.sharded = cfg.fsdp and self.dist.enabled  # FSDP2: ranks hold shards of each parameter
         self._seed(cfg.seed + self.dist.rank)
-        self.optimizer = make_optimizer(self.gpt, cfg, self.device)
+        self.optimizer = optim.make_optimizer(self.gpt, cfg, self.device)
         self.guard = StepGuard(
             cfg.optim.spike_factor, cfg.optim.max_bad_steps, cfg.optim.warmup_steps
         )
@@ -470,22 +440,24 @@ class Trainer:
         loss_sum, fallbacks = self._backward_with_fallback(batches, denom, prefetch)
         loss = distributed.all_sum_tensor(loss_sum, self.dist) / denom
         for g in self.optimizer.param_groups:
-            g["lr"] = lr_at(self.step, self.cfg)
-        if self.precision.scaler:
-            self.precision.scaler.unscale_(self.optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.gpt.parameters(), self.cfg.optim.grad_clip or float("inf")
-        )
-        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a replicated DTensor
-            grad_norm = grad_norm.full_tensor()
+            g["lr"] = optim.lr_at(self.step, self.cfg)
+        max_norm = self.cfg.optim.grad_clip
+        fold = self.optimizer.defaults.get("fused") and not (self.sharded or self.precision.scaler)
+        if fold:  # clipping happens inside the fused optimizer (pytrain.optim)
+            grad_norm = optim.grad_norm(self.gpt.parameters())
+        else:
+            if self.precision.scaler:
+                self.precision.scaler.unscale_(self.optimizer)
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                self.gpt.parameters(), max_norm or float("inf")
+            )
+            if hasattr(grad_norm, "full_tensor"):  # FSDP2: a replicated DTensor
+                grad_norm = grad_norm.full_tensor()
         bad, ema_before = self.guard.check(self.step, loss, grad_norm)
-        if self.precision.scaler:
+        if fold:
+            optim.fused_step(self.optimizer, bad, grad_norm, max_norm)
+        elif self.precision.scaler:
             bad = self._scaler_step(bad, loss, grad_norm)
-        elif self.optimizer.defaults.get("fused") and not self.sharded:
-            # The fused kernel leaves parameters, moments and step counts alone where
-            # found_inf is 1: the skip needs no host sync.
-            self.optimizer.found_inf = bad.float()
-            self.optimizer.step()
         elif not bool(bad):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -716,7 +688,7 @@ class Trainer:
         mfu = tok_s * self.flops_token / (self.peak * self.dist.world_size) if self.peak else None
         values = {
             "train/loss": r.loss,
-            "train/lr": lr_at(number - 1, self.cfg),
+            "train/lr": optim.lr_at(number - 1, self.cfg),
             "train/grad_norm": r.grad_norm,
             "perf/tokens_per_s": tok_s,
             "perf/step_ms": dt * 1e3,

@@ -80,11 +80,15 @@ def main() -> int:
     p.add_argument("--nanogpt", type=Path, required=True)
     p.add_argument("--batch", type=int, default=12)
     p.add_argument("--ours-flags", default="", help="extra trainer flags, one shell string")
+    p.add_argument("--no-nanogpt", action="store_true", help="profile ours only")
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "pytrain-bench")
     args = p.parse_args()
     data = synthetic_dataset(args.work / "synthetic-50k", 40_000)
     t0 = time.perf_counter()
     ours = profile_ours(data, args.work / "runs", args.batch, shlex.split(args.ours_flags))
+    if args.no_nanogpt:
+        print(f"## ours {args.ours_flags}\n\n{format_summary(ours)}")
+        return 0
     theirs = profile_nanogpt(args.nanogpt, args.batch, args.work)
     print(f"profiled in {time.perf_counter() - t0:.0f}s")
     for name, s in (("ours " + args.ours_flags, ours), ("nanoGPT", theirs)):

@@ -1,6 +1,6 @@
 """On a real GPU: a batch copied from a pinned slot to CUDA (tokens and doc ids only; the rest
 derived there) equals the same batch prepared on the CPU, and the slot comes back once the
-copy is done; FlashAttention-4 (where installed) equals SDPA with the document mask. Skipped
+copy is done; the fused output layer + loss (Triton) equals torch's; FlashAttention-4 (where installed) equals SDPA with the document mask. Skipped
 without CUDA; on the lent GPU machine,
 where pytest may be missing, `python tests/test_gpu.py` runs the same checks."""
 
@@ -150,7 +150,7 @@ def test_fa4_model_compiles_and_matches_the_masked_model():
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = run(*args, mask)
         loss.backward()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         grads.append([p.grad.float().clone() for p in gpt.parameters()])
     assert abs(losses[0] - losses[1]) < 2e-3 * abs(losses[1]), losses
     # bf16 compiled against bf16 eager: single elements of summed gradients can differ by
@@ -161,12 +161,59 @@ def test_fa4_model_compiles_and_matches_the_masked_model():
         assert err < 2e-2, (name, err)
 
 
+@needs_cuda
+def test_fused_ce_triton_kernel_equals_torch_path_at_gpt2_vocab():
+    """The Triton kernel on the GPU against the torch path: per-token losses and the
+    in-place gradient, bf16 logits of GPT-2's padded vocabulary."""
+    from pytrain import fused_ce
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(512, 50304, device="cuda", generator=g).mul_(4).bfloat16()
+    t = torch.randint(0, 50257, (512,), device="cuda", generator=g)
+    t[::9] = fused_ce.IGNORE_INDEX
+    a, b = logits.clone(), logits.clone()
+    la = fused_ce.ce_grad_(a, t, use_triton=False)
+    lb = fused_ce.ce_grad_(b, t, use_triton=True)
+    torch.testing.assert_close(lb, la, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(b.float(), a.float(), rtol=0, atol=2**-8)
+    assert float(b[::9].float().abs().max()) == 0.0
+
+
+@needs_cuda
+def test_compiled_model_with_fused_ce_matches_unfused():
+    """GPT's loss and gradients with the fused output layer + loss (compiled, bf16)
+    against the unfused eager model."""
+    from pytrain.model import GPT, ModelConfig
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=50304, n_layer=2, n_head=4, d_model=256, fused_ce="on")
+    gpt = GPT(cfg).cuda().train()
+    ids = torch.randint(0, 50257, (4, 513), device="cuda")
+    keep = torch.rand(4, 512, device="cuda") > 0.1
+    args = (ids[:, :-1], ids[:, 1:], None, keep, None)
+    losses, grads = [], []
+    for fused, run in ((True, torch.compile(gpt.loss_sum)), (False, gpt.loss_sum)):
+        gpt.cfg.fused_ce = "on" if fused else "off"
+        gpt.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = run(*args)
+        loss.backward()
+        losses.append(float(loss.detach()))
+        grads.append([p.grad.float().clone() for p in gpt.parameters()])
+    assert abs(losses[0] - losses[1]) < 2e-3 * abs(losses[1]), losses
+    for (name, _), a, b in zip(gpt.named_parameters(), *grads, strict=True):
+        err = float((a - b).norm() / b.norm().clamp_min(1e-12))
+        assert err < 2e-2, (name, err)
+
+
 if __name__ == "__main__":
     if not torch.cuda.is_available():
         sys.exit("no CUDA device")
     test_cuda_copy_equals_cpu_preparation()
     test_fused_adamw_skips_a_step_the_guard_marks_bad_without_a_sync()
-    ran = ["copy", "guard"]
+    test_fused_ce_triton_kernel_equals_torch_path_at_gpt2_vocab()
+    test_compiled_model_with_fused_ce_matches_unfused()
+    ran = ["copy", "guard", "fused_ce"]
     if fa4_available():
         test_fa4_segments_equal_document_masked_sdpa()
         test_fa4_model_compiles_and_matches_the_masked_model()

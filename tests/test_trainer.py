@@ -11,7 +11,8 @@ import torch
 
 from pytrain.config import parse_args
 from pytrain.data import DeviceBatch
-from pytrain.trainer import StepGuard, Trainer, TrainingStopped, lr_at
+from pytrain.optim import lr_at
+from pytrain.trainer import StepGuard, Trainer, TrainingStopped
 
 
 def small_cfg(small_corpus, tmp_path: Path, *extra: str):

@@ -1,0 +1,73 @@
+"""AdamW with weight-decay groups, the learning-rate schedule, and one optimizer step
+with gradient clipping.
+
+On CUDA the AdamW is fused, and the step needs neither a host sync nor a separate pass
+over the gradients: the clipping factor goes to the fused kernel as its `grad_scale`
+(each gradient is divided by it as it is read) and the skip decision of the step guard
+as its `found_inf` (weights, moments and step counts are left alone where it is 1).
+Elsewhere (CPU, FSDP2 shards, fp16 with a GradScaler) clipping is the usual
+`clip_grad_norm_` pass."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from pytrain.config import TrainConfig
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    o = cfg.optim
+    if step < o.warmup_steps:
+        return o.lr * (step + 1) / o.warmup_steps
+    if o.schedule == "constant":
+        return o.lr
+    frac = min(1.0, (step - o.warmup_steps) / max(1, cfg.max_steps - o.warmup_steps))
+    min_lr = o.lr * o.min_lr_ratio
+    if o.schedule == "linear":
+        return o.lr - (o.lr - min_lr) * frac
+    return min_lr + 0.5 * (o.lr - min_lr) * (1 + math.cos(math.pi * frac))
+
+
+def make_optimizer(
+    model: nn.Module, cfg: TrainConfig, device: torch.device
+) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices only (not norms); fused on CUDA."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": cfg.optim.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        groups,
+        lr=cfg.optim.lr,
+        betas=(cfg.optim.beta1, cfg.optim.beta2),
+        fused=device.type == "cuda",
+    )
+
+
+def grad_norm(params) -> torch.Tensor:
+    """The total L2 norm of the gradients (a 0-d tensor, no host sync)."""
+    return nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+
+
+def clip_scale(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """What the gradients are divided by so that their norm is at most max_norm: the
+    inverse of clip_grad_norm_'s factor max_norm / (norm + 1e-6), never below 1."""
+    return ((norm + 1e-6) / max_norm).clamp(min=1.0)
+
+
+def fused_step(
+    optimizer: torch.optim.Optimizer, skip: torch.Tensor, norm: torch.Tensor, max_norm: float
+) -> None:
+    """One step of a fused AdamW with clipping folded in and the skip decided on the
+    device (`skip`: 0-d bool). Same update as clip_grad_norm_ then step()."""
+    if not optimizer.defaults.get("fused"):
+        raise ValueError("fused_step needs an optimizer built with fused=True")
+    optimizer.grad_scale = clip_scale(norm, max_norm) if max_norm > 0 else None
+    optimizer.found_inf = skip.float()
+    optimizer.step()
