@@ -24,14 +24,19 @@ class GuardTooLate(RuntimeError):
     """torch was imported before the guards could be applied."""
 
 
-def apply_safe_env(cache_dir: str | None = None) -> dict[str, str]:
-    """Sets the guards (keeping values the user set) and returns what is in force."""
+def apply_safe_env(cache_dir: str | None = None, cudagraphs: bool = False) -> dict[str, str]:
+    """Sets the guards (keeping values the user set) and returns what is in force.
+    `cudagraphs`: the configuration asks for CUDA graphs by name (compile mode
+    'reduce-overhead'), so they are not switched off here; the compile policy still
+    refuses them where they are known to fail, and a failure at run time falls back."""
     if "torch" in sys.modules:
         raise GuardTooLate(
             "torch is already imported; Inductor reads these variables at import time"
         )
     applied = {}
     for k, v in SAFE_INDUCTOR_ENV.items():
+        if cudagraphs and k == "TORCH_COMPILE_DISABLE_CUDAGRAPHS":
+            continue
         os.environ.setdefault(k, v)
         applied[k] = os.environ[k]
     if cache_dir:

@@ -68,11 +68,14 @@ if triton is not None:
 def _ce_grad_triton(
     logits: torch.Tensor, targets: torch.Tensor, block: int = 0, num_warps: int = 0
 ) -> torch.Tensor:
-    """Block size and warps: scripts/bench_ce_gpu.py measures the choices."""
+    """Default block size and warps: the fastest of `scripts/bench_ce_gpu.py`'s sweep on
+    the H100 (16,384 x 16 warps: 1.10 ms for 12,288 x 50,304 bf16 logits, 3.4 TB/s if
+    the second read came from DRAM; 32,768 x 32 took 1.27 ms). A one-read variant that
+    held the whole row in one block spilled registers: 1.9-2.3 ms."""
     n, v = logits.shape
     losses = torch.empty(n, dtype=torch.float32, device=logits.device)
-    block = block or min(32768, triton.next_power_of_2(v))
-    num_warps = num_warps or (32 if block >= 8192 else 8)
+    block = block or min(16384, triton.next_power_of_2(v))
+    num_warps = num_warps or (16 if block >= 8192 else 8)
     _ce_grad_kernel[(n,)](
         logits, losses, targets, logits.stride(0), v, IGNORE_INDEX, BLOCK=block, num_warps=num_warps
     )

@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
         from pytrain.env_guards import apply_safe_env
 
         cache = cfg.compile.cache_dir or f"{cfg.out_dir}/{cfg.name}/inductor-cache"
-        apply_safe_env(cache)
+        apply_safe_env(cache, cudagraphs=cfg.compile.mode == "reduce-overhead")
     from pytrain.report import final_report
     from pytrain.trainer import Trainer, TrainingStopped
 

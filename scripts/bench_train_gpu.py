@@ -139,8 +139,8 @@ def main() -> int:
     p.add_argument(
         "--variants",
         default="causal:default,causal:default:cudnn,flex:default",
-        help="attention:compile_mode[:sdpa_backend[:cdt]], comma-separated; reduce-overhead runs "
-        "with --no-compile.safe_env so that CUDA graphs are really on; cdt turns on Inductor's "
+        help="attention:compile_mode[:sdpa_backend[:cdt]], comma-separated, on top of the preset "
+        "(configs/gpt2-124m.toml); cdt turns on Inductor's "
         "coordinate-descent tuning; '+FLAG' appends a trainer flag (e.g. +--activation_checkpointing=full)",
     )
     p.add_argument(
@@ -163,8 +163,6 @@ def main() -> int:
         extra = ["--model.sdpa_backend", backend, *flags]
         if tuning == "cdt":  # Inductor's coordinate-descent tuning of its generated kernels
             extra.append("--compile.coordinate_descent")
-        if mode == "reduce-overhead":
-            extra.append("--no-compile.safe_env")
         results.append(
             run_ours(
                 data,

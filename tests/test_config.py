@@ -95,3 +95,17 @@ def test_env_guards_are_set_before_torch_is_imported(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["0", "1", "False", "False"]
+    # Asking for CUDA graphs by name leaves them on; autotuning stays off.
+    code = code.replace("parse_args([])", "parse_args(['--compile.mode', 'reduce-overhead'])")
+    code = code.replace(
+        "apply_safe_env(None)", "apply_safe_env(None, cfg.compile.mode == 'reduce-overhead')"
+    )
+    code = code.replace(
+        "os.environ['TORCH_COMPILE_DISABLE_CUDAGRAPHS']",
+        "os.environ.get('TORCH_COMPILE_DISABLE_CUDAGRAPHS', '-')",
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"}
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0", "-", "False", "False"]
