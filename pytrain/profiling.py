@@ -65,10 +65,14 @@ def kernel_summary(prof: torch.profiler.profile, steps: int, wall_s: float) -> d
     }
 
 
-def idle_gaps(prof: torch.profiler.profile, steps: int, min_us: float = 20.0) -> list:
+GAP_BUCKETS_US = (2.0, 5.0, 10.0, 20.0, 100.0, float("inf"))
+
+
+def idle_gaps(prof: torch.profiler.profile, steps: int, min_us: float = 5.0) -> dict:
     """Where the device waits: gaps of at least `min_us` between one kernel's end and the
     next kernel's start, summed per (kernel before, kernel after) pair, ms per step; the
-    largest first. A gap after the last kernel of a step means the host queued the next
+    largest first, and all gaps by size (bucket upper edge in us, ms per step, gaps per
+    step). A gap after the last kernel of a step means the host queued the next
     one late; one inside a step, that the host waited on something there."""
     spans = sorted(
         (e.time_range.start, e.time_range.end, e.name)
@@ -78,8 +82,15 @@ def idle_gaps(prof: torch.profiler.profile, steps: int, min_us: float = 20.0) ->
         and "#" not in e.name
     )
     pairs: dict[tuple[str, str], list[float]] = {}
+    histogram: dict[float, list[float]] = {}
     end, before = None, ""
     for start, stop, name in spans:
+        if end is not None and start > end:
+            gap = start - end
+            edge = next(e for e in GAP_BUCKETS_US if gap < e)
+            acc = histogram.setdefault(edge, [0.0, 0])
+            acc[0] += gap
+            acc[1] += 1
         if end is not None and start - end >= min_us:
             acc = pairs.setdefault((before[:70], name[:70]), [0.0, 0])
             acc[0] += start - end
@@ -87,10 +98,16 @@ def idle_gaps(prof: torch.profiler.profile, steps: int, min_us: float = 20.0) ->
         if end is None or stop > end:
             end, before = stop, name
     ranked = sorted(pairs.items(), key=lambda kv: -kv[1][0])[:12]
-    return [(a, b, us / 1e3 / steps, n) for (a, b), (us, n) in ranked]
+    return {
+        "pairs": [(a, b, us / 1e3 / steps, n) for (a, b), (us, n) in ranked],
+        "histogram": [
+            (edge, us / 1e3 / steps, n / steps) for edge, (us, n) in sorted(histogram.items())
+        ],
+    }
 
 
 def format_summary(s: dict) -> str:
+    gaps = s.get("idle_gaps", {})
     lines = [
         f"step {s['step_ms']:.2f} ms: device busy {s['device_busy_ms']:.2f} ms, idle {s['device_idle_ms']:.2f} ms",
         "| category | ms per step |",
@@ -103,7 +120,11 @@ def format_summary(s: dict) -> str:
         "",
         "| idle gap after | before | ms per step | gaps |",
         "|---|---|---|---|",
-        *(f"| `{a}` | `{b}` | {ms:.3f} | {n} |" for a, b, ms, n in s.get("idle_gaps", [])),
+        *(f"| `{a}` | `{b}` | {ms:.3f} | {n} |" for a, b, ms, n in gaps.get("pairs", [])),
+        "",
+        "| gaps shorter than (us) | ms per step | gaps per step |",
+        "|---|---|---|",
+        *(f"| {e:g} | {ms:.3f} | {n:.0f} |" for e, ms, n in gaps.get("histogram", [])),
     ]
     return "\n".join(lines)
 
