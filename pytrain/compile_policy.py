@@ -73,7 +73,7 @@ def decide(
         if os.environ.get("TORCH_COMPILE_DISABLE_CUDAGRAPHS") == "1":
             return CompileDecision(
                 "default",
-                "CUDA graphs are off (TORCH_COMPILE_DISABLE_CUDAGRAPHS=1, set by compile.safe_env); --no-compile.safe_env enables them",
+                "CUDA graphs are off (TORCH_COMPILE_DISABLE_CUDAGRAPHS=1 in the environment)",
             )
         if activation_checkpointing:
             return CompileDecision(
