@@ -441,9 +441,25 @@ class Trainer:
         loss = distributed.all_sum_tensor(loss_sum, self.dist) / denom
         for g in self.optimizer.param_groups:
             g["lr"] = optim.lr_at(self.step, self.cfg)
+        grad_norm, bad, ema_before = self._clip_and_step(loss)
+        self.optimizer.zero_grad(set_to_none=True)
+        tokens = sum(b.input_ids.numel() for b in batches) * self.dist.world_size
+        values = torch.stack([t.detach().float() for t in (loss, grad_norm, bad, ema_before)])
+        ready = None
+        if values.is_cuda:
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            values = host.copy_(values, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        return PendingStep(values, ready, int(denom), tokens, fallbacks)
+
+    def _clip_and_step(self, loss: torch.Tensor):
+        """The gradient norm, the guard's decision (skip, running mean before), and the
+        clipped update or its skip. With a fused AdamW (CUDA, unsharded, no GradScaler)
+        clipping happens inside the optimizer (pytrain.optim) and nothing waits."""
         max_norm = self.cfg.optim.grad_clip
         fold = self.optimizer.defaults.get("fused") and not (self.sharded or self.precision.scaler)
-        if fold:  # clipping happens inside the fused optimizer (pytrain.optim)
+        if fold:
             grad_norm = optim.grad_norm(self.gpt.parameters())
         else:
             if self.precision.scaler:
@@ -460,16 +476,7 @@ class Trainer:
             bad = self._scaler_step(bad, loss, grad_norm)
         elif not bool(bad):
             self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        tokens = sum(b.input_ids.numel() for b in batches) * self.dist.world_size
-        values = torch.stack([t.detach().float() for t in (loss, grad_norm, bad, ema_before)])
-        ready = None
-        if values.is_cuda:
-            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-            values = host.copy_(values, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-        return PendingStep(values, ready, int(denom), tokens, fallbacks)
+        return grad_norm, bad, ema_before
 
     def _scaler_step(self, bad, loss, grad_norm) -> torch.Tensor:
         """fp16: the GradScaler skips steps with inf/NaN gradients itself (and lowers its

@@ -279,3 +279,43 @@ def test_fa4_without_its_gpu_is_a_clear_error():
         gpt.attention_backend(torch.device("cpu"), compiled=False)
     with pytest.raises(ValueError, match="needs the batch's cu_seqlens"):
         gpt.make_mask(torch.zeros(1, 4, dtype=torch.int32), "fa4", None)
+
+
+def test_fused_optimizer_path_with_clipping_inside_matches_the_plain_path(
+    small_corpus, tmp_path, monkeypatch
+):
+    """The trainer's CUDA path (fused AdamW; clipping as grad_scale, skip as found_inf) run
+    on CPU's fused AdamW gives the losses of the plain path (clip_grad_norm_ + step). A low
+    clip threshold makes clipping act on every step, so a fold that ignored it would differ."""
+    from pytrain import optim
+
+    def run(fused: bool, name: str) -> list[float]:
+        real = optim.make_optimizer
+
+        def make(model, cfg, device):
+            opt = real(model, cfg, device)
+            if not fused:
+                return opt
+            groups = [
+                {"params": g["params"], "weight_decay": g["weight_decay"]} for g in opt.param_groups
+            ]
+            o = cfg.optim
+            return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), fused=True)
+
+        monkeypatch.setattr(optim, "make_optimizer", make)
+        cfg = small_cfg(
+            small_corpus, tmp_path / name, "--max_steps", "6", "--optim.grad_clip", "0.05"
+        )
+        t = Trainer(cfg)
+        assert bool(t.optimizer.defaults.get("fused")) == fused
+        return t.fit()["losses"]
+
+    plain, fused = run(False, "plain"), run(True, "fused")
+    assert fused == pytest.approx(plain, rel=1e-6)
+    unclipped = Trainer(
+        small_cfg(
+            small_corpus, tmp_path / "unclipped", "--max_steps", "6", "--optim.grad_clip", "0"
+        )
+    ).fit()["losses"]
+    # Clipping moved the losses by far more than the tolerance above.
+    assert max(abs(a - b) / b for a, b in zip(unclipped, plain, strict=True)) > 1e-4
