@@ -398,6 +398,21 @@ class Trainer:
             total += loss_sum.detach().float()
         return total
 
+    def _zero_grads(self, keep: bool) -> None:
+        """Clears the gradients before a step's backward passes. Under CUDA graphs with
+        gradient accumulation they are kept as zeroed tensors instead of dropped: a
+        backward graph's output installed as `.grad` would be overwritten by the next
+        micro-batch's replay (pytorch/pytorch#169545: an error, or in some versions
+        silently wrong gradients); into an existing `.grad` the output is added at once."""
+        if not (keep and self.compile_mode == "reduce-overhead"):
+            self.optimizer.zero_grad(set_to_none=True)
+            return
+        params = [p for p in self.gpt.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        torch._foreach_zero_([p.grad for p in params])
+
     def _backward_with_fallback(
         self, batches: list[DeviceBatch], denom: float = 1.0, prefetch=None
     ) -> tuple[torch.Tensor, list[str]]:
@@ -406,7 +421,7 @@ class Trainer:
         the fallbacks."""
         fallbacks = []
         while True:
-            self.optimizer.zero_grad(set_to_none=True)
+            self._zero_grads(keep=len(batches) > 1)
             try:
                 loss_sum = self._forward_backward(batches, denom)
                 if prefetch:

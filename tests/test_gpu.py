@@ -206,6 +206,37 @@ def test_compiled_model_with_fused_ce_matches_unfused():
         assert err < 2e-2, (name, err)
 
 
+@needs_cuda
+def test_cuda_graphs_with_gradient_accumulation_match_default_compile(tmp_path=None):
+    """CUDA graphs (reduce-overhead) with 2 micro-batches per step: no fallback, and the
+    losses of the default compile mode (the gradients kept as tensors between micro-steps,
+    see Trainer._zero_grads; pytorch/pytorch#169545 without it)."""
+    from pytrain.config import parse_args
+    from pytrain.trainer import Trainer
+
+    tmp_path = tmp_path or Path(tempfile.mkdtemp())
+    data = tmp_path / "ds"
+    _loader.write_synthetic(str(data), 4000, mu=5.5, sigma=1.0, vocab=50257, seed=2)
+    losses = {}
+    for mode in ("reduce-overhead", "default"):
+        cfg = parse_args(
+            [
+                "--data.path", str(data), "--out_dir", str(tmp_path / "runs"), "--name", mode,
+                "--model.n_layer", "2", "--model.n_head", "2", "--model.d_model", "128",
+                "--model.vocab_size", "50304", "--model.attention", "causal",
+                "--data.seq_len", "256", "--data.batch_size", "4", "--optim.grad_accum", "2",
+                "--max_steps", "6", "--eval_every", "0", "--ckpt_every", "0", "--samples", "0",
+                "--no-progress", "--no-tensorboard", "--compile", "--compile.mode", mode,
+            ]
+        )  # fmt: skip
+        t = Trainer(cfg)
+        losses[mode] = t.fit()["losses"]
+        assert t.compile_mode == mode and not t.fallbacks, (mode, t.fallbacks)
+        t.close()
+    want, got = losses["default"], losses["reduce-overhead"]
+    assert all(abs(a - b) <= 2e-3 * abs(b) for a, b in zip(got, want, strict=True)), (got, want)
+
+
 if __name__ == "__main__":
     if not torch.cuda.is_available():
         sys.exit("no CUDA device")
@@ -213,7 +244,8 @@ if __name__ == "__main__":
     test_fused_adamw_skips_a_step_the_guard_marks_bad_without_a_sync()
     test_fused_ce_triton_kernel_equals_torch_path_at_gpt2_vocab()
     test_compiled_model_with_fused_ce_matches_unfused()
-    ran = ["copy", "guard", "fused_ce"]
+    test_cuda_graphs_with_gradient_accumulation_match_default_compile()
+    ran = ["copy", "guard", "fused_ce", "graphs+accumulation"]
     if fa4_available():
         test_fa4_segments_equal_document_masked_sdpa()
         test_fa4_model_compiles_and_matches_the_masked_model()
