@@ -202,7 +202,7 @@ def test_lr_schedule_warms_up_and_decays():
 
 
 def test_compile_policy_avoids_known_bad_combinations(monkeypatch):
-    from pytrain.compile_policy import decide
+    from pytrain.compile_policy import decide, next_level
 
     monkeypatch.delenv("TORCH_COMPILE_DISABLE_CUDAGRAPHS", raising=False)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
@@ -217,6 +217,10 @@ def test_compile_policy_avoids_known_bad_combinations(monkeypatch):
         == "reduce-overhead"
     )
     assert decide("auto", False, cuda, False, False, False).mode == "eager"
+    # Fallbacks never go from CUDA graphs into autotuning.
+    assert [
+        next_level(m) for m in ("reduce-overhead", "max-autotune-no-cudagraphs", "default", "eager")
+    ] == ["default", "default", "eager", "eager"]
     monkeypatch.setenv("TORCH_COMPILE_DISABLE_CUDAGRAPHS", "1")
     assert (
         "TORCH_COMPILE_DISABLE_CUDAGRAPHS"
