@@ -164,6 +164,10 @@ class GPT(nn.Module):
         super().__init__()
         if cfg.d_model % cfg.n_head:
             raise ValueError(f"d_model {cfg.d_model} is not a multiple of n_head {cfg.n_head}")
+        if cfg.residual not in ("fp32", "compute"):
+            raise ValueError(f"residual {cfg.residual!r} is not fp32 or compute")
+        if cfg.fused_ce not in ("auto", "on", "off"):
+            raise ValueError(f"fused_ce {cfg.fused_ce!r} is not auto, on or off")
         self.cfg = cfg
         self.vocab = 64 * math.ceil(cfg.vocab_size / 64)
         self.embed = nn.Embedding(self.vocab, cfg.d_model)
@@ -249,8 +253,6 @@ class GPT(nn.Module):
         dtype = compute_dtype(x)
         if self.cfg.residual == "compute":
             x = x.to(dtype)
-        elif self.cfg.residual != "fp32":
-            raise ValueError(f"residual {self.cfg.residual!r} is not fp32 or compute")
         cos, sin = (t[pos][:, :, None].to(dtype) for t in (self.rope_cos, self.rope_sin))
         for i, block in enumerate(self.blocks):
             if self.training and self.checkpoint_every and i % self.checkpoint_every == 0:
@@ -262,8 +264,6 @@ class GPT(nn.Module):
     def uses_fused_ce(self, device: torch.device) -> bool:
         """Whether training steps compute the loss with pytrain.fused_ce."""
         choice = self.cfg.fused_ce
-        if choice not in ("auto", "on", "off"):
-            raise ValueError(f"fused_ce {choice!r} is not auto, on or off")
         return choice == "on" or (choice == "auto" and fused_ce.triton_available(device))
 
     def loss_sum(self, input_ids, targets, position_ids, loss_mask, mask) -> torch.Tensor:

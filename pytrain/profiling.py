@@ -42,10 +42,8 @@ def kernel_summary(prof: torch.profiler.profile, steps: int, wall_s: float) -> d
     kernels: dict[str, float] = {}
     for evt in prof.key_averages():
         us = getattr(evt, "self_device_time_total", 0.0) or 0.0
-        if us <= 0 or evt.device_type != torch.autograd.DeviceType.CUDA:
+        if us <= 0 or not _is_kernel(evt, evt.key):
             continue
-        if getattr(evt, "is_user_annotation", False) or "#" in evt.key:
-            continue  # a range such as Optimizer.step#AdamW.step, not a kernel
         kernels[evt.key] = kernels.get(evt.key, 0.0) + us
         cat = category(evt.key)
         by_cat[cat] = by_cat.get(cat, 0.0) + us
@@ -65,6 +63,23 @@ def kernel_summary(prof: torch.profiler.profile, steps: int, wall_s: float) -> d
     }
 
 
+def _is_kernel(evt, name: str) -> bool:
+    """Device work, not a range such as Optimizer.step#AdamW.step (which the profiler
+    also reports on the device timeline)."""
+    return (
+        evt.device_type == torch.autograd.DeviceType.CUDA
+        and not getattr(evt, "is_user_annotation", False)
+        and "#" not in name
+    )
+
+
+def _add(acc: dict, key, us: float) -> None:
+    """Adds one gap of `us` microseconds to acc[key] = [total us, count]."""
+    total = acc.setdefault(key, [0.0, 0])
+    total[0] += us
+    total[1] += 1
+
+
 GAP_BUCKETS_US = (2.0, 5.0, 10.0, 20.0, 100.0, float("inf"))
 
 
@@ -77,9 +92,7 @@ def idle_gaps(prof: torch.profiler.profile, steps: int, min_us: float = 5.0) -> 
     spans = sorted(
         (e.time_range.start, e.time_range.end, e.name)
         for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA
-        and not getattr(e, "is_user_annotation", False)
-        and "#" not in e.name
+        if _is_kernel(e, e.name)
     )
     pairs: dict[tuple[str, str], list[float]] = {}
     histogram: dict[float, list[float]] = {}
@@ -87,14 +100,9 @@ def idle_gaps(prof: torch.profiler.profile, steps: int, min_us: float = 5.0) -> 
     for start, stop, name in spans:
         if end is not None and start > end:
             gap = start - end
-            edge = next(e for e in GAP_BUCKETS_US if gap < e)
-            acc = histogram.setdefault(edge, [0.0, 0])
-            acc[0] += gap
-            acc[1] += 1
-        if end is not None and start - end >= min_us:
-            acc = pairs.setdefault((before[:70], name[:70]), [0.0, 0])
-            acc[0] += start - end
-            acc[1] += 1
+            _add(histogram, next(e for e in GAP_BUCKETS_US if gap < e), gap)
+            if gap >= min_us:
+                _add(pairs, (before[:70], name[:70]), gap)
         if end is None or stop > end:
             end, before = stop, name
     ranked = sorted(pairs.items(), key=lambda kv: -kv[1][0])[:12]

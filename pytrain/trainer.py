@@ -457,7 +457,8 @@ class Trainer:
         for g in self.optimizer.param_groups:
             g["lr"] = optim.lr_at(self.step, self.cfg)
         grad_norm, bad, ema_before = self._clip_and_step(loss)
-        self.optimizer.zero_grad(set_to_none=True)
+        # Gradients are cleared when the next step starts (_zero_grads), not here: under
+        # CUDA graphs with accumulation they are kept, and reused, from step to step.
         tokens = sum(b.input_ids.numel() for b in batches) * self.dist.world_size
         values = torch.stack([t.detach().float() for t in (loss, grad_norm, bad, ema_before)])
         ready = None

@@ -143,20 +143,29 @@ def test_fa4_model_compiles_and_matches_the_masked_model():
     d = doc.cuda()
     args = (ids[:, :-1], ids[:, 1:], position_ids(d)[:, :-1], loss_mask(d)[:, :-1])
     cu = torch.from_numpy(flash4.cu_seqlens(doc[:, :-1].numpy())).cuda()
-    losses, grads = [], []
-    for backend, run in (("fa4", torch.compile(gpt.loss_sum)), ("sdpa_mask", gpt.loss_sum)):
-        gpt.zero_grad()
-        mask = gpt.make_mask(d[:, :-1], backend, cu)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = run(*args, mask)
-        loss.backward()
-        losses.append(float(loss.detach()))
-        grads.append([p.grad.float().clone() for p in gpt.parameters()])
-    assert abs(losses[0] - losses[1]) < 2e-3 * abs(losses[1]), losses
-    # bf16 compiled against bf16 eager: single elements of summed gradients can differ by
-    # rounding, so compare each gradient as a whole (relative Frobenius error). A kernel
-    # that attended across documents or dropped a segment would be off by far more.
-    for (name, _), a, b in zip(gpt.named_parameters(), *grads, strict=True):
+    got = bf16_loss_and_grads(
+        gpt, torch.compile(gpt.loss_sum), *args, gpt.make_mask(d[:, :-1], "fa4", cu)
+    )
+    want = bf16_loss_and_grads(gpt, gpt.loss_sum, *args, gpt.make_mask(d[:, :-1], "sdpa_mask"))
+    # A kernel that attended across documents or dropped a segment would be off by far more.
+    assert_same_loss_and_grads(gpt, got, want)
+
+
+def bf16_loss_and_grads(gpt, run, *args) -> tuple[float, list[torch.Tensor]]:
+    """One bf16 forward and backward of `run(*args)`: the loss and every gradient."""
+    gpt.zero_grad()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = run(*args)
+    loss.backward()
+    return float(loss.detach()), [p.grad.float().clone() for p in gpt.parameters()]
+
+
+def assert_same_loss_and_grads(gpt, got, want) -> None:
+    """bf16 compiled against bf16 eager: the losses agree to 2e-3; single elements of
+    summed gradients can differ by rounding, so each gradient is compared as a whole
+    (relative Frobenius error below 2e-2)."""
+    assert abs(got[0] - want[0]) < 2e-3 * abs(want[0]), (got[0], want[0])
+    for (name, _), a, b in zip(gpt.named_parameters(), got[1], want[1], strict=True):
         err = float((a - b).norm() / b.norm().clamp_min(1e-12))
         assert err < 2e-2, (name, err)
 
@@ -191,19 +200,10 @@ def test_compiled_model_with_fused_ce_matches_unfused():
     ids = torch.randint(0, 50257, (4, 513), device="cuda")
     keep = torch.rand(4, 512, device="cuda") > 0.1
     args = (ids[:, :-1], ids[:, 1:], None, keep, None)
-    losses, grads = [], []
-    for fused, run in ((True, torch.compile(gpt.loss_sum)), (False, gpt.loss_sum)):
-        gpt.cfg.fused_ce = "on" if fused else "off"
-        gpt.zero_grad()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = run(*args)
-        loss.backward()
-        losses.append(float(loss.detach()))
-        grads.append([p.grad.float().clone() for p in gpt.parameters()])
-    assert abs(losses[0] - losses[1]) < 2e-3 * abs(losses[1]), losses
-    for (name, _), a, b in zip(gpt.named_parameters(), *grads, strict=True):
-        err = float((a - b).norm() / b.norm().clamp_min(1e-12))
-        assert err < 2e-2, (name, err)
+    got = bf16_loss_and_grads(gpt, torch.compile(gpt.loss_sum), *args)
+    gpt.cfg.fused_ce = "off"
+    want = bf16_loss_and_grads(gpt, gpt.loss_sum, *args)
+    assert_same_loss_and_grads(gpt, got, want)
 
 
 @needs_cuda

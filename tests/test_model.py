@@ -23,3 +23,10 @@ def test_residual_stream_dtype_follows_the_config():
             )
         assert seen == [torch.bfloat16 if choice == "compute" else torch.float32]
     assert losses["compute"] == pytest.approx(losses["fp32"], rel=2e-2)
+
+
+@pytest.mark.parametrize("field,value", [("residual", "bf16"), ("fused_ce", "yes")])
+def test_bad_numerics_options_are_refused_when_the_model_is_built(field, value):
+    cfg = ModelConfig(vocab_size=200, n_layer=1, n_head=2, d_model=32, **{field: value})
+    with pytest.raises(ValueError, match=field):
+        GPT(cfg)
