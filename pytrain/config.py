@@ -71,6 +71,10 @@ class OptimConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0
     grad_accum: int = 1
+    master_weights: str = "auto"
+    """Keep the parameters in bf16 and their fp32 copies in the optimizer
+    (pytrain.master_adamw): 'auto' (on for bf16 on CUDA in one process), 'on', 'off'
+    (fp32 parameters under autocast)."""
     spike_factor: float = 4.0
     """Skip a step whose loss exceeds this multiple of the running mean (0 disables)."""
     max_bad_steps: int = 10

@@ -251,8 +251,8 @@ class GPT(nn.Module):
         pos = position_ids.long()
         x = self.embed(input_ids)
         dtype = compute_dtype(x)
-        if self.cfg.residual == "compute":
-            x = x.to(dtype)
+        # The embedding's dtype is the parameters' (bf16 with master weights).
+        x = x.to(dtype if self.cfg.residual == "compute" else torch.float32)
         cos, sin = (t[pos][:, :, None].to(dtype) for t in (self.rope_cos, self.rope_sin))
         for i, block in enumerate(self.blocks):
             if self.training and self.checkpoint_every and i % self.checkpoint_every == 0:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from pytrain.config import TrainConfig
+from pytrain.master_adamw import MasterAdamW
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -31,10 +32,29 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return min_lr + 0.5 * (o.lr - min_lr) * (1 + math.cos(math.pi * frac))
 
 
+def use_master_weights(
+    choice: str, device: torch.device, dtype: torch.dtype | None, one_process: bool
+) -> bool:
+    """Whether the model's parameters are bf16 with fp32 masters in the optimizer
+    (pytrain.master_adamw): asked for, or 'auto' on CUDA, with bf16 autocast, in one
+    process (DDP would reduce only the last micro-batch's bf16 gradients; FSDP2 has its
+    own mixed precision)."""
+    if choice not in ("auto", "on", "off"):
+        raise ValueError(f"optim.master_weights is {choice!r}; expected auto, on or off")
+    possible = dtype == torch.bfloat16 and one_process
+    if choice == "on" and not possible:
+        raise ValueError(
+            "optim.master_weights=on needs precision bf16 and a single process "
+            "(set it to auto or off for fp16, fp32, DDP or FSDP2)"
+        )
+    return choice == "on" or (choice == "auto" and possible and device.type == "cuda")
+
+
 def make_optimizer(
-    model: nn.Module, cfg: TrainConfig, device: torch.device
-) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices only (not norms); fused on CUDA."""
+    model: nn.Module, cfg: TrainConfig, device: torch.device, master: bool = False
+) -> torch.optim.Optimizer | MasterAdamW:
+    """AdamW; weight decay on matrices only (not norms); fused on CUDA. With `master`,
+    the parameters become bf16 and the optimizer a MasterAdamW holding their fp32 copies."""
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
@@ -42,6 +62,9 @@ def make_optimizer(
         {"params": decay, "weight_decay": cfg.optim.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    if master:
+        betas = (cfg.optim.beta1, cfg.optim.beta2)
+        return MasterAdamW(groups, lr=cfg.optim.lr, betas=betas, dtype=torch.bfloat16)
     return torch.optim.AdamW(
         groups,
         lr=cfg.optim.lr,

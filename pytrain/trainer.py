@@ -189,7 +189,13 @@ class Trainer:
         self.module = distributed.wrap(LossModule(self.gpt), self.dist, self.device, cfg.fsdp)
         self.sharded = cfg.fsdp and self.dist.enabled  # FSDP2: ranks hold shards of each parameter
         self._seed(cfg.seed + self.dist.rank)
-        self.optimizer = optim.make_optimizer(self.gpt, cfg, self.device)
+        self.master = optim.use_master_weights(
+            cfg.optim.master_weights,
+            self.device,
+            self.precision.dtype,
+            one_process=not self.dist.enabled,
+        )
+        self.optimizer = optim.make_optimizer(self.gpt, cfg, self.device, self.master)
         self.guard = StepGuard(
             cfg.optim.spike_factor, cfg.optim.max_bad_steps, cfg.optim.warmup_steps
         )
@@ -291,6 +297,8 @@ class Trainer:
             self.dist,
         )
         model, optim = distributed.model_optim_state(self.gpt, self.optimizer, self.sharded)
+        if self.master:  # the fp32 weights, not their bf16 copies
+            model = self.optimizer.master_state(self.gpt)
         return {
             "step": self.step,
             "tokens_seen": self.tokens_seen,
@@ -322,6 +330,8 @@ class Trainer:
         distributed.load_model_optim_state(
             self.gpt, self.optimizer, state["model"], state["optimizer"], self.sharded
         )
+        if self.master:
+            self.optimizer.load_masters(self.gpt, state["model"])
         if self.precision.scaler and state["scaler"]:
             self.precision.scaler.load_state_dict(state["scaler"])
         self.guard.load_state_dict(state["guard"])
@@ -395,6 +405,8 @@ class Trainer:
                 loss_sum = self._micro_loss(b)
                 loss = loss_sum * scale
                 (self.precision.scaler.scale(loss) if self.precision.scaler else loss).backward()
+            if self.master and len(batches) > 1:
+                self.optimizer.accumulate()  # into fp32, not into the bf16 .grad
             total += loss_sum.detach().float()
         return total
 
@@ -404,7 +416,8 @@ class Trainer:
         backward graph's output installed as `.grad` would be overwritten by the next
         micro-batch's replay (pytorch/pytorch#169545: an error, or in some versions
         silently wrong gradients); into an existing `.grad` the output is added at once."""
-        if not (keep and self.compile_mode == "reduce-overhead"):
+        if self.master or not (keep and self.compile_mode == "reduce-overhead"):
+            # MasterAdamW consumes each micro-batch's gradients as they come.
             self.optimizer.zero_grad(set_to_none=True)
             return
         params = [p for p in self.gpt.parameters() if p.requires_grad]
@@ -475,7 +488,9 @@ class Trainer:
         clipping happens inside the optimizer (pytrain.optim) and nothing waits."""
         max_norm = self.cfg.optim.grad_clip
         fold = self.optimizer.defaults.get("fused") and not (self.sharded or self.precision.scaler)
-        if fold:
+        if self.master:
+            grad_norm = self.optimizer.grad_norm()
+        elif fold:
             grad_norm = optim.grad_norm(self.gpt.parameters())
         else:
             if self.precision.scaler:

@@ -209,8 +209,9 @@ def test_compiled_model_with_fused_ce_matches_unfused():
 @needs_cuda
 def test_cuda_graphs_with_gradient_accumulation_match_default_compile(tmp_path=None):
     """CUDA graphs (reduce-overhead) with 2 micro-batches per step: no fallback, and the
-    losses of the default compile mode (the gradients kept as tensors between micro-steps,
-    see Trainer._zero_grads; pytorch/pytorch#169545 without it)."""
+    losses of the default compile mode (fp32 parameters: the gradients kept as tensors
+    between micro-steps, see Trainer._zero_grads, pytorch/pytorch#169545 without it; bf16
+    parameters with fp32 masters: each micro-batch's gradients summed into fp32 at once)."""
     from pytrain.config import parse_args
     from pytrain.trainer import Trainer
 
@@ -218,23 +219,64 @@ def test_cuda_graphs_with_gradient_accumulation_match_default_compile(tmp_path=N
     data = tmp_path / "ds"
     _loader.write_synthetic(str(data), 4000, mu=5.5, sigma=1.0, vocab=50257, seed=2)
     losses = {}
-    for mode in ("reduce-overhead", "default"):
+    runs = [("reduce-overhead", "off"), ("default", "off"), ("reduce-overhead", "on")]
+    for mode, master in runs:
         cfg = parse_args(
             [
-                "--data.path", str(data), "--out_dir", str(tmp_path / "runs"), "--name", mode,
+                "--data.path", str(data), "--out_dir", str(tmp_path / "runs"),
                 "--model.n_layer", "2", "--model.n_head", "2", "--model.d_model", "128",
                 "--model.vocab_size", "50304", "--model.attention", "causal",
                 "--data.seq_len", "256", "--data.batch_size", "4", "--optim.grad_accum", "2",
                 "--max_steps", "6", "--eval_every", "0", "--ckpt_every", "0", "--samples", "0",
                 "--no-progress", "--no-tensorboard", "--compile", "--compile.mode", mode,
+                "--name", f"{mode}-{master}", "--optim.master_weights", master,
             ]
         )  # fmt: skip
         t = Trainer(cfg)
-        losses[mode] = t.fit()["losses"]
+        losses[mode, master] = t.fit()["losses"]
         assert t.compile_mode == mode and not t.fallbacks, (mode, t.fallbacks)
         t.close()
-    want, got = losses["default"], losses["reduce-overhead"]
-    assert all(abs(a - b) <= 2e-3 * abs(b) for a, b in zip(got, want, strict=True)), (got, want)
+    want = losses["default", "off"]
+    for run in runs[::2]:  # CUDA graphs with fp32 parameters, and with bf16 + fp32 masters
+        got = losses[run]
+        assert all(abs(a - b) <= 2e-3 * abs(b) for a, b in zip(got, want, strict=True)), (
+            run,
+            got,
+            want,
+        )
+
+
+@needs_cuda
+def test_master_adamw_kernels_equal_the_torch_path_on_the_gpu():
+    """The Triton step and accumulation kernels against the same math in torch, at sizes
+    of the 124M model's tensors (blocks of many tensors in one launch), over steps whose
+    gradients move (the address table is rebuilt) and a skipped step; the bf16
+    parameters are the fp32 masters rounded to nearest."""
+    from pytrain import optim
+    from pytrain.master_adamw import MasterAdamW
+
+    shapes = [(50304, 768), (768,), (3072, 768), (768, 2304), (5,)]
+    runs = []
+    for use_triton in (False, True):
+        g = torch.Generator(device="cuda").manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s, device="cuda", generator=g)) for s in shapes]
+        groups = [
+            {"params": [p for p in params if p.dim() > 1], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() == 1], "weight_decay": 0.0},
+        ]
+        opt = MasterAdamW(groups, lr=3e-3, betas=(0.9, 0.95), use_triton=use_triton)
+        for step in range(4):
+            for _ in range(2 if step == 3 else 1):  # the last step accumulates two
+                for p in opt.params:
+                    p.grad = torch.randn(p.shape, device="cuda", generator=g).bfloat16()
+                if step == 3:
+                    opt.accumulate()
+            optim.fused_step(opt, torch.tensor(step == 1, device="cuda"), opt.grad_norm(), 1.0)
+        assert torch.equal(opt.flat_param, opt.master.bfloat16())
+        runs.append([opt.master, opt.exp_avg, opt.exp_avg_sq, opt.step_t])
+    for a, b in zip(*runs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert float(runs[1][3]) == 3.0
 
 
 if __name__ == "__main__":
@@ -245,7 +287,8 @@ if __name__ == "__main__":
     test_fused_ce_triton_kernel_equals_torch_path_at_gpt2_vocab()
     test_compiled_model_with_fused_ce_matches_unfused()
     test_cuda_graphs_with_gradient_accumulation_match_default_compile()
-    ran = ["copy", "guard", "fused_ce", "graphs+accumulation"]
+    test_master_adamw_kernels_equal_the_torch_path_on_the_gpu()
+    ran = ["copy", "guard", "fused_ce", "graphs+accumulation", "master_adamw"]
     if fa4_available():
         test_fa4_segments_equal_document_masked_sdpa()
         test_fa4_model_compiles_and_matches_the_masked_model()

@@ -296,8 +296,8 @@ def test_fused_optimizer_path_with_clipping_inside_matches_the_plain_path(
     def run(fused: bool, name: str) -> list[float]:
         real = optim.make_optimizer
 
-        def make(model, cfg, device):
-            opt = real(model, cfg, device)
+        def make(model, cfg, device, master=False):
+            opt = real(model, cfg, device, master)
             if not fused:
                 return opt
             groups = [
