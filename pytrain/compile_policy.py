@@ -128,6 +128,40 @@ def compiled_graphs() -> int:
         return -1
 
 
+def set_inductor_options(spec: str) -> list[str]:
+    """Sets Inductor config values from 'name=value,...' (values are Python literals, names
+    are attributes of torch._inductor.config, dotted for its sub-configs such as
+    'triton.enable_pdl'). Returns what was done, one 'name=value' per option; an option
+    this torch version does not have is skipped and reported as such (a preset stays
+    usable on an older torch). Raises ValueError for an item that is not name=value or
+    a value that is not a literal."""
+    import ast
+
+    import torch._inductor.config as inductor_config
+
+    applied = []
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, sep, raw = item.partition("=")
+        if not sep:
+            raise ValueError(f"compile.inductor: {item!r} is not name=value")
+        *path, leaf = name.strip().split(".")
+        owner = inductor_config
+        for part in path:
+            owner = getattr(owner, part, None)
+        try:
+            value = ast.literal_eval(raw.strip())
+        except (ValueError, SyntaxError) as e:
+            raise ValueError(
+                f"compile.inductor: value of {name!r} is not a literal: {raw!r}"
+            ) from e
+        if owner is None or not hasattr(owner, leaf):
+            applied.append(f"{name.strip()} (not an option of torch {torch.__version__}; skipped)")
+            continue
+        setattr(owner, leaf, value)
+        applied.append(f"{name.strip()}={value!r}")
+    return applied
+
+
 def compile_model(model: torch.nn.Module, mode: str) -> torch.nn.Module:
     if mode == "eager":
         return model

@@ -98,6 +98,10 @@ class CompileConfig:
     """Inductor's coordinate-descent tuning of the kernels it generates (block sizes):
     a longer first compile for sometimes faster steps. Set in code, so it overrides the
     safe_env guard that turns it off; off by default."""
+    inductor: str = ""
+    """Inductor config overrides set in code before compiling, 'name=value' comma-separated
+    with Python literals (e.g. 'triton.enable_pdl=True'); a name this torch does not have
+    is skipped with a note in the compile line."""
     inject_failure_at: int = -1
     """Testing knob: raise a compile-like failure at this step (>= 0) to exercise the fallback."""
 

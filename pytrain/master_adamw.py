@@ -190,7 +190,8 @@ class MasterAdamW:
     def master_state(self, model: nn.Module) -> dict:
         """The model's state dict with each parameter's fp32 master in its place."""
         masters = {
-            id(p): self.master[o : o + n].view_as(p) for p, (o, n) in zip(self.params, self._views)
+            id(p): self.master[o : o + n].view_as(p)
+            for p, (o, n) in zip(self.params, self._views, strict=True)
         }
         named = dict(model.named_parameters(remove_duplicate=False))
         return {

@@ -65,11 +65,12 @@ def kernel_summary(prof: torch.profiler.profile, steps: int, wall_s: float) -> d
 
 def _is_kernel(evt, name: str) -> bool:
     """Device work, not a range such as Optimizer.step#AdamW.step (which the profiler
-    also reports on the device timeline)."""
+    also reports on the device timeline). Such ranges have no spaces; kernel names with a
+    '#' do (ATen's `reduce_kernel<...{lambda(float, float)#1}...>`)."""
     return (
         evt.device_type == torch.autograd.DeviceType.CUDA
         and not getattr(evt, "is_user_annotation", False)
-        and "#" not in name
+        and not ("#" in name and " " not in name)
     )
 
 

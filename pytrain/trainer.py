@@ -231,6 +231,9 @@ class Trainer:
 
             inductor_config.coordinate_descent_tuning = True
             self.compile_reason += "; coordinate-descent tuning on"
+        if cfg.compile.inductor and self.compile_mode != "eager":
+            applied = compile_policy.set_inductor_options(cfg.compile.inductor)
+            self.compile_reason += f"; Inductor options {', '.join(applied)}"
         self.compiled = compile_policy.compile_model(self.module, self.compile_mode)
         self.say(f"compile: {self.compile_mode} ({self.compile_reason})")
         self.log = RunLog(self.run_dir, self.dist.is_main, cfg.tensorboard)

@@ -42,6 +42,7 @@ def run_ours(
     compile_mode: str,
     extra: list[str],
     tag: str = "",
+    env: dict[str, str] | None = None,
 ) -> dict:
     name = f"ours-{attention}-{compile_mode}" + (f"-{tag}" if tag else "")
     cmd = [
@@ -52,7 +53,7 @@ def run_ours(
         "--model.attention", attention, "--compile.mode", compile_mode, *extra,
     ]  # fmt: skip
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
     wall = time.perf_counter() - t0
     if r.returncode != 0:
         print(r.stdout[-3000:], r.stderr[-5000:], file=sys.stderr)
@@ -141,7 +142,8 @@ def main() -> int:
         default="causal:default,causal:default:cudnn,flex:default",
         help="attention:compile_mode[:sdpa_backend[:cdt]], comma-separated, on top of the preset "
         "(configs/gpt2-124m.toml); cdt turns on Inductor's "
-        "coordinate-descent tuning; '+FLAG' appends a trainer flag (e.g. +--activation_checkpointing=full)",
+        "coordinate-descent tuning; '+FLAG' appends a trainer flag (e.g. +--activation_checkpointing=full), "
+        "'+env:NAME=VALUE' sets an environment variable for that run (e.g. +env:TORCHINDUCTOR_ENABLE_PDL=1)",
     )
     p.add_argument(
         "--nanogpt-heads",
@@ -160,6 +162,8 @@ def main() -> int:
     for v in args.variants.split(","):
         spec, *flags = v.split("+")
         attention, mode, backend, tuning = (spec.split(":") + ["auto", ""])[:4]
+        run_env = dict(f.removeprefix("env:").split("=", 1) for f in flags if f.startswith("env:"))
+        flags = [f for f in flags if not f.startswith("env:")]
         extra = ["--model.sdpa_backend", backend, *flags]
         if tuning == "cdt":  # Inductor's coordinate-descent tuning of its generated kernels
             extra.append("--compile.coordinate_descent")
@@ -172,7 +176,10 @@ def main() -> int:
                 attention,
                 mode,
                 extra,
-                tag="-".join(t for t in (backend, tuning, *flags) if t not in ("", "auto")),
+                tag="-".join(
+                    t for t in (backend, tuning, *flags, *run_env) if t not in ("", "auto")
+                ),
+                env=run_env,
             )  # fmt: skip
         )
         print(json.dumps(results[-1]), flush=True)

@@ -109,3 +109,22 @@ def test_env_guards_are_set_before_torch_is_imported(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["0", "-", "False", "False"]
+
+
+def test_inductor_options_are_set_checked_and_skipped_when_unknown():
+    import torch._inductor.config as inductor_config
+
+    from pytrain.compile_policy import set_inductor_options
+
+    before = inductor_config.triton.descriptive_names
+    try:
+        done = set_inductor_options("triton.descriptive_names='torch', no_such.option=1")
+        assert inductor_config.triton.descriptive_names == "torch"
+        assert done[0] == "triton.descriptive_names='torch'"
+        assert "no_such.option (not an option of torch" in done[1]
+    finally:
+        inductor_config.triton.descriptive_names = before
+    with pytest.raises(ValueError, match="is not name=value"):
+        set_inductor_options("triton.descriptive_names")
+    with pytest.raises(ValueError, match="not a literal"):
+        set_inductor_options("triton.descriptive_names=torch")
