@@ -16,6 +16,10 @@ import torch
 PATTERN = re.compile(r"^ckpt-(\d{8})\.pt$")
 
 
+class CheckpointMismatch(ValueError):
+    """A checkpoint that loads but was saved by a run this one cannot continue."""
+
+
 def ckpt_path(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / f"ckpt-{step:08d}.pt"
 

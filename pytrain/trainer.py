@@ -330,6 +330,12 @@ class Trainer:
         if found is None:
             return
         state, path = found
+        saved_master = "exp_avg_sq" in state["optimizer"]  # MasterAdamW's flat state
+        if saved_master != self.master:
+            raise checkpoint.CheckpointMismatch(
+                f"{path} was saved with optim.master_weights {'on' if saved_master else 'off'}; "
+                f"resume it with --optim.master_weights {'on' if saved_master else 'off'}"
+            )
         distributed.load_model_optim_state(
             self.gpt, self.optimizer, state["model"], state["optimizer"], self.sharded
         )

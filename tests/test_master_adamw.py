@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pytrain import optim
+from pytrain.checkpoint import CheckpointMismatch
 from pytrain.master_adamw import MasterAdamW
 from tests.test_trainer import small_cfg
 
@@ -183,3 +184,7 @@ def test_trainer_with_master_weights_resumes_exactly_and_saves_fp32_weights(smal
     )
     weights = [v for k, v in ckpt["model"].items() if k.endswith("weight")]
     assert weights and all(v.dtype == torch.float32 for v in weights)
+    # The optimizer state differs between the modes: resuming in the other one is refused.
+    other = [a if a != "on" else "off" for a in extra]
+    with pytest.raises(CheckpointMismatch, match="resume it with --optim.master_weights on"):
+        Trainer(small_cfg(small_corpus, tmp_path / "b", *other))
