@@ -149,8 +149,11 @@ class MasterAdamW:
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
         self.step_t = torch.zeros((), dtype=torch.float32, device=device)
+        # Stand-ins for grad_scale and found_inf when they are not given (no clip, no skip).
+        self._one, self._zero = torch.ones((), device=device), torch.zeros((), device=device)
         self.flat_grad: torch.Tensor | None = None  # fp32 sums of micro-batch gradients
         self._views = [(o, n) for o, n in zip(offsets, numels, strict=True)]
+        self._numels = numels
         decay = [float(g["weight_decay"]) for g in self.param_groups for _ in g["params"]]
         self._tables = _block_tables(numels, offsets, decay, device)
         self._addr: tuple[tuple[int, ...], torch.Tensor] | None = None
@@ -169,17 +172,17 @@ class MasterAdamW:
             "step": float(self.step_t),
             "exp_avg": self.exp_avg,
             "exp_avg_sq": self.exp_avg_sq,
-            "numels": [n for _, n in self._views],
+            "numels": self._numels,
             "param_groups": [
                 {k: v for k, v in g.items() if k != "params"} for g in self.param_groups
             ],
         }
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("numels") != [n for _, n in self._views]:
+        if state.get("numels") != self._numels:
             raise ValueError(
                 "optimizer state does not match the model: it was saved for parameters of "
-                f"sizes {state.get('numels')}, this model has {[n for _, n in self._views]}"
+                f"sizes {state.get('numels')}, this model has {self._numels}"
             )
         self.step_t.fill_(state["step"])
         self.exp_avg.copy_(state["exp_avg"])
@@ -216,17 +219,20 @@ class MasterAdamW:
             raise RuntimeError(f"MasterAdamW: {missing} parameter(s) have no gradient")
         return grads
 
+    def _grads_flat(self) -> torch.Tensor:
+        """The torch path's view of this micro-batch's gradients: one fp32 vector."""
+        return torch.cat([g.detach().float().flatten() for g in self._grads()])
+
     def accumulate(self) -> None:
         """Adds the parameters' gradients (one micro-batch's) into the fp32 buffer and
         drops them, so the next micro-batch's backward starts from none."""
-        grads = self._grads()
         first = self.flat_grad is None
         if first:
             self.flat_grad = torch.empty_like(self.master)
         if self.use_triton:
-            self._launch_accumulate(grads, first)
+            self._launch_accumulate(self._grads(), first)
         else:
-            flat = torch.cat([g.detach().float().flatten() for g in grads])
+            flat = self._grads_flat()
             self.flat_grad.copy_(flat) if first else self.flat_grad.add_(flat)
         for p in self.params:
             p.grad = None
@@ -244,9 +250,8 @@ class MasterAdamW:
         if len(lrs) != 1:
             raise ValueError(f"MasterAdamW needs one learning rate for all groups, got {lrs}")
         lr = lrs.pop()
-        one = torch.ones((), device=self.master.device)
-        scale = one if self.grad_scale is None else self.grad_scale.float()
-        skip = torch.zeros_like(one) if self.found_inf is None else self.found_inf.float()
+        scale = self._one if self.grad_scale is None else self.grad_scale.float()
+        skip = self._zero if self.found_inf is None else self.found_inf.float()
         self.step_t.add_(1.0 - skip)
         if self.use_triton:
             self._launch_step(lr, scale, skip)
@@ -256,15 +261,11 @@ class MasterAdamW:
 
     def _step_torch(self, lr: float, scale: torch.Tensor, skip: torch.Tensor) -> None:
         beta1, beta2 = self.betas
-        if self.flat_grad is not None:
-            g = self.flat_grad
-        else:
-            g = torch.cat([x.detach().float().flatten() for x in self._grads()])
-        g = g / scale
+        g = (self.flat_grad if self.flat_grad is not None else self._grads_flat()) / scale
         bias1 = 1.0 - beta1**self.step_t
         bias2_sqrt = (1.0 - beta2**self.step_t).sqrt()
         if self._decay_elems is None:
-            sizes = torch.tensor([n for _, n in self._views], device=self.master.device)
+            sizes = torch.tensor(self._numels, device=self.master.device)
             self._decay_elems = self._tables["decay"].repeat_interleave(sizes)
         p = self.master * (1.0 - lr * self._decay_elems)
         m = self.exp_avg + (1.0 - beta1) * (g - self.exp_avg)

@@ -26,8 +26,8 @@ class ModelConfig:
     for plain causal attention: attention='causal' and evaluation without documents).
     scripts/bench_attention_gpu.py measures them."""
     residual: str = "fp32"
-    """dtype of the residual stream under autocast: 'fp32' (the parameters' dtype, as
-    nanoGPT keeps it) or 'compute' (bf16/fp16: half the memory traffic of the norms and
+    """dtype of the residual stream under autocast: 'fp32' (as nanoGPT keeps it, also
+    when the parameters are bf16) or 'compute' (bf16/fp16: half the memory traffic of the norms and
     residual adds, as trainers with bf16 parameters have it)."""
     fused_ce: str = "auto"
     """Output layer + cross-entropy as one op that never keeps the logits

@@ -62,19 +62,19 @@ def make_optimizer(
         {"params": decay, "weight_decay": cfg.optim.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    betas = (cfg.optim.beta1, cfg.optim.beta2)
     if master:
-        betas = (cfg.optim.beta1, cfg.optim.beta2)
         return MasterAdamW(groups, lr=cfg.optim.lr, betas=betas, dtype=torch.bfloat16)
-    return torch.optim.AdamW(
-        groups,
-        lr=cfg.optim.lr,
-        betas=(cfg.optim.beta1, cfg.optim.beta2),
-        fused=device.type == "cuda",
-    )
+    return torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=betas, fused=device.type == "cuda")
 
 
-def grad_norm(params) -> torch.Tensor:
-    """The total L2 norm of the gradients (a 0-d tensor, no host sync)."""
+def grad_norm(optimizer: torch.optim.Optimizer | MasterAdamW) -> torch.Tensor:
+    """The total L2 norm of the gradients `optimizer` will step with (a 0-d tensor, no
+    host sync): its parameters' `.grad`, or MasterAdamW's own (fp32 sums under
+    accumulation)."""
+    if isinstance(optimizer, MasterAdamW):
+        return optimizer.grad_norm()
+    params = [p for g in optimizer.param_groups for p in g["params"]]
     return nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
 
 

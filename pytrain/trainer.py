@@ -497,10 +497,8 @@ class Trainer:
         clipping happens inside the optimizer (pytrain.optim) and nothing waits."""
         max_norm = self.cfg.optim.grad_clip
         fold = self.optimizer.defaults.get("fused") and not (self.sharded or self.precision.scaler)
-        if self.master:
-            grad_norm = self.optimizer.grad_norm()
-        elif fold:
-            grad_norm = optim.grad_norm(self.gpt.parameters())
+        if fold:
+            grad_norm = optim.grad_norm(self.optimizer)
         else:
             if self.precision.scaler:
                 self.precision.scaler.unscale_(self.optimizer)

@@ -2,9 +2,6 @@
 (the torch path), and its Triton kernel against the torch path through Triton's
 interpreter (TRITON_INTERPRET=1, in a subprocess: the variable is read at import)."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -13,6 +10,7 @@ import torch.nn.functional as F
 
 from pytrain import fused_ce
 from pytrain.model import GPT, ModelConfig
+from tests.triton_interpreter import assert_passes_in_interpreter
 
 
 def reference(x, w, targets):
@@ -111,9 +109,4 @@ KERNEL_CHECK = textwrap.dedent(
 
 
 def test_triton_kernel_matches_the_torch_path_in_the_interpreter():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run(
-        [sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert r.returncode == 0 and "kernel ok" in r.stdout, r.stderr[-3000:]
+    assert_passes_in_interpreter(KERNEL_CHECK)

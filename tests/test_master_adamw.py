@@ -4,9 +4,6 @@ step), the Triton kernels against the torch path through Triton's interpreter (i
 subprocess: TRITON_INTERPRET is read at import), and the trainer with master weights on
 CPU (exact resume with accumulation, fp32 weights in the checkpoint)."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -16,6 +13,7 @@ from pytrain import optim
 from pytrain.checkpoint import CheckpointMismatch
 from pytrain.master_adamw import MasterAdamW
 from tests.test_trainer import small_cfg
+from tests.triton_interpreter import assert_passes_in_interpreter
 
 SHAPES = [(40, 30), (3000,), (7,)]
 
@@ -154,12 +152,7 @@ KERNEL_CHECK = textwrap.dedent(
 
 
 def test_triton_kernels_match_the_torch_path_in_the_interpreter():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run(
-        [sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert r.returncode == 0 and "kernel ok" in r.stdout, r.stderr[-3000:]
+    assert_passes_in_interpreter(KERNEL_CHECK)
 
 
 def test_trainer_with_master_weights_resumes_exactly_and_saves_fp32_weights(small_corpus, tmp_path):

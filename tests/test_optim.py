@@ -26,7 +26,7 @@ def run(folded: bool, max_norm: float, grad_scale: float, skip_at: int = -1):
             p.grad = g.clone()
         skip = torch.tensor(i == skip_at)
         if folded:
-            norm = optim.grad_norm(params)
+            norm = optim.grad_norm(opt)
             optim.fused_step(opt, skip, norm, max_norm)
         else:
             norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
@@ -72,7 +72,7 @@ def run_steps(n: int):
     for step_grads in grads[:n]:
         for p, g in zip(params, step_grads, strict=True):
             p.grad = g.clone()
-        optim.fused_step(opt, torch.tensor(False), optim.grad_norm(params), 1.0)
+        optim.fused_step(opt, torch.tensor(False), optim.grad_norm(opt), 1.0)
     return [p.detach().clone() for p in params], None, opt
 
 
