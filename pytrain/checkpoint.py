@@ -13,10 +13,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pytrain.config import ConfigError
+
 PATTERN = re.compile(r"^ckpt-(\d{8})\.pt$")
 
 
-class CheckpointMismatch(ValueError):
+class CheckpointMismatch(ConfigError):
     """A checkpoint that loads but was saved by a run this one cannot continue."""
 
 

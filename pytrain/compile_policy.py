@@ -162,6 +162,17 @@ def set_inductor_options(spec: str) -> list[str]:
     return applied
 
 
+def ensure_graph_room(graphs: int) -> None:
+    """Lets Dynamo keep `graphs` compiled variants of one function (plus two to spare)
+    before it gives up and runs it uncompiled: training and evaluation graphs of every
+    bucket shape share the loss module's cache, whose default limit is 8."""
+    import torch._dynamo.config as dynamo_config
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if getattr(dynamo_config, name, graphs + 2) < graphs + 2:
+            setattr(dynamo_config, name, graphs + 2)
+
+
 def compile_model(model: torch.nn.Module, mode: str) -> torch.nn.Module:
     if mode == "eager":
         return model

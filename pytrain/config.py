@@ -28,6 +28,11 @@ TRUE_WORDS = {"1", "true", "yes", "on"}
 FALSE_WORDS = {"0", "false", "no", "off"}
 
 
+class ConfigError(ValueError):
+    """A setting the user gave is wrong (unknown key, bad value, missing file or dataset):
+    the command line prints it as one line, without a traceback."""
+
+
 def parse_bool(text: str) -> bool:
     t = text.strip().lower()
     if t in TRUE_WORDS:
@@ -229,7 +234,12 @@ def _set(cfg, key: str, value) -> None:
 
 def apply_toml(cfg: TrainConfig, path: Path) -> None:
     """Sets every key of a TOML file ([model], [data], ... tables map to the sections)."""
-    data = tomllib.loads(Path(path).read_text())
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: no such file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--config {path}: not valid TOML ({e})") from None
     known = {k: t for k, _, t in _flatten(TrainConfig)}
 
     def walk(d: dict, prefix: str) -> None:
@@ -239,10 +249,12 @@ def apply_toml(cfg: TrainConfig, path: Path) -> None:
                 walk(v, key + ".")
                 continue
             if key not in known:
-                raise ValueError(f"{path}: unknown setting {key!r}")
+                raise ConfigError(
+                    f"{path}: unknown setting {key!r} (python -m pytrain.train --help lists them)"
+                )
             base, _ = _base_type(known[key])
             if base is bool and not isinstance(v, bool):
-                raise ValueError(f"{path}: {key} must be true or false, not {v!r}")
+                raise ConfigError(f"{path}: {key} must be true or false, not {v!r}")
             _set(cfg, key, float(v) if base is float and isinstance(v, int) else v)
 
     walk(data, "")

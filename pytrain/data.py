@@ -12,13 +12,17 @@ it yields exactly the batches an uninterrupted run would have produced next."""
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
+import numpy as np
 import torch
 
-from pytrain import _loader, flash4
+from pytrain import _loader
 from pytrain._loader import CorruptShardError, LoaderError, ManifestError, StateError
 
 __all__ = [
@@ -29,6 +33,8 @@ __all__ = [
     "LoaderConfig",
     "HostBatch",
     "DeviceBatch",
+    "DeviceFeed",
+    "cu_seqlens",
     "LoaderError",
     "CorruptShardError",
     "ManifestError",
@@ -107,13 +113,30 @@ def token_ids(tokens: torch.Tensor) -> torch.Tensor:
     return tokens.to(torch.int32)
 
 
+def cu_seqlens(doc_ids: np.ndarray) -> np.ndarray:
+    """int32 segment offsets of a (rows, width) array of document ids: a segment starts at
+    every row start and wherever the id changes (padding runs are segments of their own,
+    so they never mix with a document). Padded with the total to a power-of-two length,
+    so a run sees a handful of shapes rather than one per document count. Computed on the
+    host from the slot's ids, so the device never syncs to find them (FA4 reads them)."""
+    rows, width = doc_ids.shape
+    starts = np.ones((rows, width), dtype=bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    idx = np.flatnonzero(starts)
+    out = np.full(1 << len(idx).bit_length(), rows * width, dtype=np.int32)
+    out[: len(idx)] = idx
+    return out
+
+
 @dataclass
 class HostBatch:
     """A batch in a loader slot. `tokens` (the dataset's dtype: uint16 or int32) and
     `doc_ids` (int32, -1 on padding) are views of the slot (no copy): valid until
     `release()`. Rows hold seq_len+1 tokens: inputs are [:, :-1], targets [:, 1:].
     `position_ids` and `loss_mask` are derived from `doc_ids` (on the host here; `.to()`
-    derives them on the device, after a copy of tokens and doc ids only)."""
+    derives them on the device, after a copy of tokens and doc ids only).
+
+    `HostBatch.synthetic()` makes one that belongs to no loader (compile warm-up)."""
 
     tokens: torch.Tensor
     doc_ids: torch.Tensor
@@ -122,8 +145,18 @@ class HostBatch:
     pad_tokens: int
     pieces: int
     """Runs of one document in the batch; each one's last token has no target."""
-    _slot: int
-    _loader: _loader.Loader | None
+    _slot: int = -1
+    _owner: TokenLoader | None = None
+
+    @staticmethod
+    def synthetic(rows: int, seq_len: int, vocab: int, generator: torch.Generator) -> HostBatch:
+        """A batch of random ids, one document per row, shaped and typed like a loader
+        slot's (int32 tokens, int32 doc ids): compiled graphs see what training will."""
+        tokens = torch.randint(
+            0, vocab, (rows, seq_len + 1), dtype=torch.int32, generator=generator
+        )
+        doc_ids = torch.zeros(rows, seq_len + 1, dtype=torch.int32)
+        return HostBatch(tokens, doc_ids, 0, rows * (seq_len + 1), 0, rows)
 
     @property
     def inputs(self) -> torch.Tensor:
@@ -143,9 +176,8 @@ class HostBatch:
 
     @property
     def cu_seqlens(self) -> torch.Tensor:
-        """Document segments of the input positions, for FA4 (`pytrain.flash4.cu_seqlens`):
-        computed here from the slot's ids, so the device never syncs to find them."""
-        return torch.from_numpy(flash4.cu_seqlens(self.doc_ids[:, :-1].numpy()))
+        """Document segments of the input positions (see `cu_seqlens`)."""
+        return torch.from_numpy(cu_seqlens(self.doc_ids[:, :-1].numpy()))
 
     @property
     def loss_tokens(self) -> int:
@@ -154,37 +186,57 @@ class HostBatch:
         return self.doc_tokens - self.pieces
 
     def release(self) -> None:
-        """Gives the slot back to the loader; the views must not be used afterwards."""
-        if self._loader is not None:
-            self._loader.release(self._slot)
-            self._loader = None
+        """Gives the slot back to the loader; the views must not be used afterwards.
+        Releasing twice is harmless."""
+        if self._owner is not None:
+            owner, self._owner = self._owner, None
+            owner._release(self)
 
     def to(self, device: torch.device | str, segments: bool = False) -> DeviceBatch:
-        """Copies to `device` (non-blocking from pinned memory) and releases the slot as
-        soon as the copy has completed. On the CPU it copies and releases at once."""
-        device = torch.device(device)
-        if device.type == "cpu":
-            out = DeviceBatch.of(self, lambda t: t.clone(), segments)
+        """Copies to `device` and hands the slot back: on the CPU at once; on CUDA the copy
+        is non-blocking (pinned memory, a side stream) and the loader releases the slot
+        when the copy has landed (checked at its next batch, or waited for when it needs
+        the slot). Either way the caller has nothing left to release.
+        `segments`: also the document segments (only FA4 reads them; host work per batch)."""
+        out, landed = _copy(self, torch.device(device), segments)
+        if landed is None or self._owner is None:
             self.release()
-            return out
-        # Copy on a side stream, so the copy (and the host work before it) overlaps the
-        # compute already queued; the compute stream waits for the copy before using it.
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        compute = torch.cuda.current_stream(device)
-        side = _copy_stream(device)
-        with torch.cuda.stream(side):
-            out = DeviceBatch.of(self, lambda t: t.to(device, non_blocking=True), segments)
-            done = torch.cuda.Event()
-            done.record(side)
-        compute.wait_event(done)
-        for t in (out.input_ids, out.targets, out.position_ids, out.doc_ids, out.loss_mask):
-            t.record_stream(compute)  # memory made on the side stream, used on compute
-        if out.cu_seqlens is not None:
-            out.cu_seqlens.record_stream(compute)
-        out._pending_release = self
-        out._copy_done = done
+        else:
+            owner, self._owner = self._owner, None
+            owner._defer(self, landed)
         return out
+
+
+class CopyEvent(Protocol):
+    """What `_copy` returns for a copy still in flight (torch.cuda.Event has both)."""
+
+    def query(self) -> bool: ...
+    def synchronize(self) -> None: ...
+
+
+def _copy(
+    hb: HostBatch, device: torch.device, segments: bool
+) -> tuple[DeviceBatch, CopyEvent | None]:
+    """The device batch and, for an asynchronous copy, the event that marks its landing
+    (None: the slot may be reused now). Tests replace this to simulate a copy in flight."""
+    if device.type == "cpu":
+        return DeviceBatch.of(hb, lambda t: t.clone(), segments), None
+    # Copy on a side stream, so the copy (and the host work before it) overlaps the
+    # compute already queued; the compute stream waits for the copy before using it.
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    compute = torch.cuda.current_stream(device)
+    side = _copy_stream(device)
+    with torch.cuda.stream(side):
+        out = DeviceBatch.of(hb, lambda t: t.to(device, non_blocking=True), segments)
+        done = torch.cuda.Event()
+        done.record(side)
+    compute.wait_event(done)
+    for t in (out.input_ids, out.targets, out.position_ids, out.doc_ids, out.loss_mask):
+        t.record_stream(compute)  # memory made on the side stream, used on compute
+    if out.cu_seqlens is not None:
+        out.cu_seqlens.record_stream(compute)
+    return out, done
 
 
 _COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -198,7 +250,8 @@ def _copy_stream(device: torch.device) -> torch.cuda.Stream:
 
 @dataclass
 class DeviceBatch:
-    """A batch on the training device; model-ready views plus the loss mask."""
+    """A batch on the training device; model-ready views plus the loss mask. It holds no
+    loader slot: the data layer released (or will release) the slot it came from."""
 
     input_ids: torch.Tensor
     targets: torch.Tensor
@@ -209,16 +262,14 @@ class DeviceBatch:
     doc_tokens: int
     pad_tokens: int
     loss_tokens: int = -1
-    """Targets counted by the loss, computed on the host (no device sync to read it)."""
+    """Targets counted by the loss, computed on the host (no device sync to read it);
+    -1: unknown (a hand-made batch), counted from the mask."""
     cu_seqlens: torch.Tensor | None = None
-    """int32 document segments of the flattened inputs (see HostBatch.cu_seqlens)."""
-    _pending_release: HostBatch | None = None
-    _copy_done: torch.cuda.Event | None = None
+    """int32 document segments of the flattened inputs (see `cu_seqlens`)."""
 
     @staticmethod
     def of(b: HostBatch, move, segments: bool = False) -> DeviceBatch:
-        """Moves tokens and doc ids with `move`, then derives the rest where they landed.
-        `segments`: also the document segments (only FA4 reads them; host work per batch)."""
+        """Moves tokens and doc ids with `move`, then derives the rest where they landed."""
         ids = token_ids(move(b.tokens))
         doc_ids = move(b.doc_ids)
         return DeviceBatch(
@@ -234,21 +285,15 @@ class DeviceBatch:
             loss_tokens=b.loss_tokens,
         )
 
-    def release_host(self, wait: bool = False) -> bool:
-        """Releases the host slot if the copy has finished (or waits for it)."""
-        if self._pending_release is None:
-            return True
-        if wait:
-            self._copy_done.synchronize()
-        elif not self._copy_done.query():
-            return False
-        self._pending_release.release()
-        self._pending_release = None
-        return True
-
 
 class TokenLoader:
-    """Iterable of `HostBatch` over a token-shard dataset; see the module docstring."""
+    """Iterable of `HostBatch` over a token-shard dataset; see the module docstring.
+
+    The loader tracks every slot it hands out: a batch is the consumer's until it calls
+    `release()` or `to(device)`; after `to()` on CUDA the loader itself releases the slot
+    once the copy has landed. A consumer therefore cannot leak a slot by copying batches
+    to a device, early stops included, and `close()` (or leaving a `with` block) waits for
+    copies in flight and gives everything back."""
 
     def __init__(self, path: str | Path, config: LoaderConfig | None = None, **overrides):
         self.path = Path(path)
@@ -269,6 +314,8 @@ class TokenLoader:
         c = self.config
         pin = torch.cuda.is_available() if c.pin_memory is None else c.pin_memory
         n = self._slot_elems()
+        if self._inner is not None:
+            self._drain()
         # Fresh slot memory on every (re)start: batches still held from an earlier start
         # keep their own memory and are never overwritten.
         token_dtype = torch.uint16 if self.dataset.dtype == "uint16" else torch.int32
@@ -280,6 +327,8 @@ class TokenLoader:
             for _ in range(c.slots)
         ]
         self._view_cache: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._held: set[int] = set()  # slots handed out and not yet given back
+        self._landing: deque[tuple[HostBatch, CopyEvent]] = deque()  # copies in flight
         self._inner = None  # stop the old threads before starting new ones
         self._inner = _loader.Loader(
             self.dataset,
@@ -306,12 +355,16 @@ class TokenLoader:
         return self
 
     def __next__(self) -> HostBatch:
+        if self._inner is None:
+            raise StopIteration
+        self._reclaim()
         got = self._inner.next()
         if got is None:
             raise StopIteration
         slot, rows, width, epoch, doc_tokens, pad_tokens, pieces = got
         t, d = self._views(slot, rows, width)
-        return HostBatch(t, d, epoch, doc_tokens, pad_tokens, pieces, slot, self._inner)
+        self._held.add(slot)
+        return HostBatch(t, d, epoch, doc_tokens, pad_tokens, pieces, slot, self)
 
     def _views(self, slot: int, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, width) views of a slot's arrays, made once per slot and shape: a batch
@@ -319,9 +372,45 @@ class TokenLoader:
         key = (slot, rows, width)
         if key not in self._view_cache:
             n = rows * width
-            self._view_cache[key] = tuple(x[:n].view(rows, width) for x in self._slots[slot])
+            tokens, docs = self._slots[slot]
+            self._view_cache[key] = (tokens[:n].view(rows, width), docs[:n].view(rows, width))
         return self._view_cache[key]
 
+    # ---- slot life ----------------------------------------------------------------------
+    def _release(self, hb: HostBatch) -> None:
+        # A batch of an earlier start has its own slot memory and its loader is gone.
+        if hb._slot in self._held and hb.tokens.data_ptr() == self._slots[hb._slot][0].data_ptr():
+            self._held.discard(hb._slot)
+            self._inner.release(hb._slot)
+
+    def _defer(self, hb: HostBatch, landed: CopyEvent) -> None:
+        """The slot of `hb` is being copied; release it once `landed` says so."""
+        self._landing.append((hb, landed))
+
+    def _reclaim(self) -> None:
+        """Releases the slots whose copies have landed; if the consumer would otherwise hold
+        all but one slot (the one the loader threads fill next), waits for the oldest copy.
+        Copies land in the order they were queued (one side stream)."""
+        while self._landing and self._landing[0][1].query():
+            self._release(self._landing.popleft()[0])
+        while self._landing and len(self._held) >= max(1, self.config.slots - 1):
+            hb, landed = self._landing.popleft()
+            landed.synchronize()
+            self._release(hb)
+
+    def _drain(self) -> None:
+        """Waits for every copy in flight and releases its slot."""
+        while self._landing:
+            hb, landed = self._landing.popleft()
+            landed.synchronize()
+            self._release(hb)
+
+    @property
+    def held_slots(self) -> int:
+        """Slots handed to the consumer and not yet given back (copies in flight included)."""
+        return len(self._held)
+
+    # ---- state ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Where the next batch starts: a few integers plus dataset/config fingerprints."""
         return dict(self._inner.state())
@@ -344,4 +433,84 @@ class TokenLoader:
         return self.dataset.n_tokens
 
     def close(self) -> None:
+        """Waits for copies in flight, then stops the loader threads."""
+        if self._inner is not None:
+            self._drain()
         self._inner = None
+
+    def __enter__(self) -> TokenLoader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class DeviceFeed:
+    """Micro-batches of a `TokenLoader` on a device: the one place that copies batches
+    to the device (on a side stream, with document segments when the attention reads
+    them), fetches the next step's batches while the current step runs, and knows the
+    loader state that matches the batches consumed so far (prefetched ones excluded).
+
+        with DeviceFeed(loader, device) as feed:
+            for b in feed: ...            # DeviceBatch; nothing to release
+            batches, wait_s = feed.take(4)
+
+    Slots are released by the loader as copies land; `close()` waits for the copies in
+    flight and closes the loader (on every path, exceptions included, under `with`)."""
+
+    def __init__(self, loader: TokenLoader, device: torch.device | str, segments: bool = False):
+        self.loader = loader
+        self.device = torch.device(device)
+        self.segments = segments
+        self._ahead: list[DeviceBatch] = []
+        self._ahead_wait = 0.0  # seconds spent fetching the batches ahead
+        self._state_taken: dict | None = None  # loader state before the batches ahead
+
+    def __iter__(self) -> Iterator[DeviceBatch]:
+        return self
+
+    def __next__(self) -> DeviceBatch:
+        if self._ahead:
+            b = self._ahead.pop(0)
+            if not self._ahead:
+                self._state_taken = None
+            return b
+        return next(self.loader).to(self.device, self.segments)
+
+    def take(self, n: int) -> tuple[list[DeviceBatch], float]:
+        """The next `n` batches (prefetched ones first) and the seconds spent waiting for
+        them. Raises StopIteration if the loader ends before `n`."""
+        t0 = time.perf_counter()
+        waited, self._ahead_wait = self._ahead_wait, 0.0
+        out = [next(self) for _ in range(n)]
+        return out, waited + time.perf_counter() - t0
+
+    def prefetch(self, n: int) -> None:
+        """Fetches `n` batches now (call while the device is busy), keeping the loader
+        state from before them for `state_dict()`."""
+        if self._state_taken is None:
+            self._state_taken = self.loader.state_dict()
+        t0 = time.perf_counter()
+        self._ahead += [next(self.loader).to(self.device, self.segments) for _ in range(n)]
+        self._ahead_wait += time.perf_counter() - t0
+
+    def state_dict(self) -> dict:
+        """The loader state after the batches handed out (not the ones fetched ahead)."""
+        return (
+            dict(self._state_taken) if self._state_taken is not None else self.loader.state_dict()
+        )
+
+    def load_state_dict(self, state: dict) -> None:
+        self._ahead.clear()
+        self._ahead_wait, self._state_taken = 0.0, None
+        self.loader.load_state_dict(state)
+
+    def close(self) -> None:
+        self._ahead.clear()
+        self.loader.close()
+
+    def __enter__(self) -> DeviceFeed:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -16,10 +16,14 @@ class DistInfo:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    launched: bool = False
+    """Started by torchrun (or another launcher that sets its variables)."""
 
     @property
     def enabled(self) -> bool:
-        return self.world_size > 1
+        """A process group and DDP/FSDP2 wrapping: with several ranks, and under torchrun
+        with one (the multi-GPU code path on one GPU, as a launch script runs it)."""
+        return self.world_size > 1 or self.launched
 
     @property
     def is_main(self) -> bool:
@@ -32,6 +36,7 @@ def init(device_pref: str) -> tuple[DistInfo, torch.device]:
         int(os.environ.get("RANK", 0)),
         int(os.environ.get("WORLD_SIZE", 1)),
         int(os.environ.get("LOCAL_RANK", 0)),
+        launched="TORCHELASTIC_RUN_ID" in os.environ and "MASTER_ADDR" in os.environ,
     )
     if device_pref == "auto":
         device = torch.device(f"cuda:{info.local_rank}" if torch.cuda.is_available() else "cpu")

@@ -10,15 +10,15 @@ than cuDNN's at head sizes 64 and 128.
 Layout: q, k, v are (batch, seq, heads, head_dim), the layout a fused qkv projection makes, so
 no transpose is needed. With `cu_seqlens` the batch and sequence dimensions are flattened and
 each segment [cu[i], cu[i+1]) attends causally within itself; trailing repeats of the total
-are empty segments (padding that keeps the number of shapes small)."""
+are empty segments (padding that keeps the number of shapes small); `pytrain.data.cu_seqlens`
+derives them from a batch's document ids."""
 
 import functools
 from typing import NamedTuple, Optional  # custom-op schemas of older torch read Optional
 
-import numpy as np
 import torch
 
-__all__ = ["Segments", "attention", "available", "cu_seqlens"]
+__all__ = ["Segments", "attention", "available"]
 
 
 class Segments(NamedTuple):
@@ -27,20 +27,6 @@ class Segments(NamedTuple):
 
     cu_seqlens: torch.Tensor
     max_seqlen: int
-
-
-def cu_seqlens(doc_ids: np.ndarray) -> np.ndarray:
-    """int32 segment offsets of a (rows, width) array of document ids: a segment starts at
-    every row start and wherever the id changes (padding runs are segments of their own,
-    so they never mix with a document). Padded with the total to a power-of-two length,
-    so a run sees a handful of shapes rather than one per document count."""
-    rows, width = doc_ids.shape
-    starts = np.ones((rows, width), dtype=bool)
-    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    idx = np.flatnonzero(starts)
-    out = np.full(1 << len(idx).bit_length(), rows * width, dtype=np.int32)
-    out[: len(idx)] = idx
-    return out
 
 
 @functools.cache

@@ -16,6 +16,20 @@ import time
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs training; a user error (a bad setting, a missing or damaged dataset, a
+    checkpoint that does not fit) prints one line naming what is wrong and returns 2.
+    Anything else is a bug or a system failure and keeps its traceback."""
+    from pytrain._loader import LoaderError
+    from pytrain.config import ConfigError
+
+    try:
+        return _main(argv)
+    except (ConfigError, LoaderError) as e:
+        print(f"pytrain.train: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str] | None) -> int:
     from pytrain.config import parse_args
 
     cfg = parse_args(argv)

@@ -16,11 +16,23 @@ import torch
 from torch import nn
 
 from pytrain import checkpoint, compile_policy, distributed, flash4, optim
-from pytrain.config import TrainConfig, to_dict
-from pytrain.data import DeviceBatch, HostBatch, TokenLoader
+from pytrain.config import ConfigError, TrainConfig, to_dict
+from pytrain.data import DeviceBatch, DeviceFeed, HostBatch, TokenLoader
 from pytrain.metrics import RunLog, flops_per_token, loader_cpu_seconds, peak_flops
 from pytrain.model import GPT
 from pytrain.profiling import StepProfiler
+
+
+def dataset_dir(path: str, flag: str) -> Path:
+    """`path` if it is a dataset made by pack-shards, else a ConfigError naming it."""
+    p = Path(path)
+    if not p.is_dir():
+        raise ConfigError(f"{flag} {path}: no such directory")
+    if not (p / "manifest.json").is_file():
+        raise ConfigError(
+            f"{flag} {path}: not a dataset made by pack-shards (no manifest.json in it)"
+        )
+    return p
 
 
 class TrainingStopped(RuntimeError):
@@ -186,7 +198,8 @@ class Trainer:
         self.gpt = GPT(cfg.model).to(self.device)
         ckpt_every = checkpoint_every(cfg.activation_checkpointing)
         self.gpt.set_activation_checkpointing(ckpt_every)
-        self.module = distributed.wrap(LossModule(self.gpt), self.dist, self.device, cfg.fsdp)
+        self.loss_module = LossModule(self.gpt)
+        self.module = distributed.wrap(self.loss_module, self.dist, self.device, cfg.fsdp)
         self.sharded = cfg.fsdp and self.dist.enabled  # FSDP2: ranks hold shards of each parameter
         self._seed(cfg.seed + self.dist.rank)
         self.master = optim.use_master_weights(
@@ -211,11 +224,6 @@ class Trainer:
         self.compile_reason = decision.reason
         self.step = 0
         self.tokens_seen = 0
-        # Loader state after the batches of the last completed step (prefetched batches of
-        # the next step are not in it), and the prefetched batches themselves.
-        self._loader_state: dict | None = None
-        self._next: tuple[list[DeviceBatch], float] | None = None
-        self._in_flight: list[DeviceBatch] = []  # copies whose host slot is not yet released
         self.expected_graphs = -1  # graphs compiled by the warm-up
         self.fallbacks: list[str] = []
         # (step, mode): raise a compile-like failure there (tests and the compile matrix).
@@ -226,6 +234,10 @@ class Trainer:
         self.attention = self.gpt.attention_backend(
             self.device, compiled=self.compile_mode != "eager"
         )
+        # Micro-batches on the device, with document segments only where the attention
+        # reads them (FA4); the feed owns copies, prefetch and slot release.
+        self.segments = self.attention == "fa4"
+        self.feed = DeviceFeed(self.loader, self.device, self.segments)
         if cfg.compile.coordinate_descent and self.compile_mode != "eager":
             import torch._inductor.config as inductor_config
 
@@ -235,6 +247,15 @@ class Trainer:
             applied = compile_policy.set_inductor_options(cfg.compile.inductor)
             self.compile_reason += f"; Inductor options {', '.join(applied)}"
         self.compiled = compile_policy.compile_model(self.module, self.compile_mode)
+        # Evaluation runs compiled too (uncompiled FlexAttention materialises the scores),
+        # without CUDA graphs (a few batches now and then), through the unwrapped module
+        # where the parameters are whole (DDP's forward would sync buffers across ranks).
+        self.eval_module = self.module if self.sharded else self.loss_module
+        self.eval_mode = "default" if self.compile_mode == "reduce-overhead" else self.compile_mode
+        self.eval_compiled = compile_policy.compile_model(self.eval_module, self.eval_mode)
+        if self.val_path is not None and self.compile_mode != "eager":
+            # Training and evaluation graphs of every batch shape share one Dynamo cache.
+            compile_policy.ensure_graph_room(2 * len(self.loader.config.batch_shapes()))
         self.say(f"compile: {self.compile_mode} ({self.compile_reason})")
         self.log = RunLog(self.run_dir, self.dist.is_main, cfg.tensorboard)
         self.profiler = StepProfiler(
@@ -259,7 +280,9 @@ class Trainer:
     def _datasets(self) -> tuple[Path, Path | None]:
         d = self.cfg.data
         if d.path:
-            return Path(d.path), Path(d.val_path) if d.val_path else None
+            return dataset_dir(d.path, "--data.path"), (
+                dataset_dir(d.val_path, "--data.val_path") if d.val_path else None
+            )
         from pytrain.corpus import build_default
 
         if self.dist.is_main:
@@ -270,6 +293,8 @@ class Trainer:
         return paths
 
     def _loader(self, path: Path, eval_mode: bool = False) -> TokenLoader:
+        """The training loader (this rank's part of an endless shuffled stream), or for
+        evaluation the validation set in its stored order, once, the same on every rank."""
         d = self.cfg.data
         loader = TokenLoader(
             path,
@@ -294,7 +319,7 @@ class Trainer:
     def _state(self) -> dict:
         per_rank = distributed.gather_objects(
             {
-                "loader": self._loader_state or self.loader.state_dict(),
+                "loader": self.feed.state_dict(),
                 "rng": checkpoint.rng_state(),
             },
             self.dist,
@@ -356,37 +381,16 @@ class Trainer:
             )
         ranks = state["ranks"]
         mine = ranks[self.dist.rank] if len(ranks) == self.dist.world_size else ranks[0]
-        self.loader.load_state_dict(mine["loader"])
+        self.loader.load_state_dict(mine["loader"])  # before the feed exists: nothing ahead
         checkpoint.set_rng_state(mine["rng"])
         self.say(f"resumed from {path} at step {self.step}")
 
     # ---- one optimizer step ---------------------------------------------------------------
-    def _fetch(self, n: int) -> tuple[list[DeviceBatch], float]:
-        """The next `n` micro-batches on the device. Host slots are released as their
-        copies land; when every slot but one is in flight (this step's and the next
-        step's micro-batches together), the oldest copy is awaited."""
-        t0 = time.perf_counter()
-        out: list[DeviceBatch] = []
-        for _ in range(n):
-            self._in_flight = [b for b in self._in_flight if not b.release_host()]
-            while len(self._in_flight) >= max(1, self.cfg.data.slots - 1):
-                self._in_flight.pop(0).release_host(wait=True)
-            b = self._to_device(next(self.loader))
-            self._in_flight.append(b)
-            out.append(b)
-        return out, time.perf_counter() - t0
-
-    def _to_device(self, hb: HostBatch) -> DeviceBatch:
-        """Copies a loader batch to the device, with its document segments only when the
-        attention backend reads them (FA4)."""
-        return hb.to(self.device, segments=self.attention == "fa4")
-
     def _prefetch_next(self) -> None:
-        """Fetches the next step's micro-batches while this step's kernels run, after
-        noting the loader state that a checkpoint of this step must record."""
-        self._loader_state = self.loader.state_dict()
+        """Fetches the next step's micro-batches while this step's kernels run (the feed
+        keeps the loader state of this step for a checkpoint)."""
         if self.step + 1 < self.cfg.max_steps:
-            self._next = self._fetch(self.cfg.optim.grad_accum)
+            self.feed.prefetch(self.cfg.optim.grad_accum)
 
     def _micro_loss(self, b: DeviceBatch) -> torch.Tensor:
         mask = self.gpt.make_mask(b.doc_ids, self.attention, b.cu_seqlens)
@@ -555,20 +559,11 @@ class Trainer:
         for rows, seq in self.warm_up_shapes():
             # Built like a loader batch (slot-shaped host tensors, the same copy path), so
             # the compiled graphs see the same dtypes, shapes and strides as training.
-            host = HostBatch(
-                tokens=torch.randint(
-                    0, self.cfg.model.vocab_size, (rows, seq + 1), dtype=torch.int32, generator=g
-                ),
-                doc_ids=torch.zeros(rows, seq + 1, dtype=torch.int32),
-                epoch=0,
-                doc_tokens=rows * (seq + 1),
-                pad_tokens=0,
-                pieces=rows,
-                _slot=-1,
-                _loader=None,
-            )
-            b = self._to_device(host)
+            host = HostBatch.synthetic(rows, seq, self.cfg.model.vocab_size, g)
+            b = host.to(self.device, self.segments)
             self.train_step_dry(b)
+            if self.val_path is not None:
+                self._eval_graphs_for(b)
         distributed.barrier(self.dist)
         self.expected_graphs = compile_policy.compiled_graphs()
         if self.dist.is_main and not loaded:
@@ -590,36 +585,77 @@ class Trainer:
 
     # ---- evaluation and the loop ----------------------------------------------------------
     @torch.no_grad()
+    def _eval_loss(self, b: DeviceBatch) -> torch.Tensor:
+        """Summed loss of one batch in evaluation mode (no dropout, no activation
+        checkpointing, the plain output layer), through the compiled evaluation module with
+        the training's attention; a compile failure drops the evaluation one level."""
+        mask = self.gpt.make_mask(b.doc_ids, self.attention, b.cu_seqlens)
+        if isinstance(mask, flash4.Segments) and self.eval_mode != "eager":
+            torch._dynamo.mark_dynamic(mask.cu_seqlens, 0)
+        while True:
+            try:
+                with torch.autocast(
+                    self.device.type,
+                    dtype=self.precision.dtype,
+                    enabled=self.precision.dtype is not None,
+                ):
+                    return self.eval_compiled(
+                        b.input_ids, b.targets, b.position_ids, b.loss_mask, mask
+                    ).float()
+            except Exception as e:
+                if not (self.cfg.compile.guard and compile_policy.is_compile_failure(e)):
+                    raise
+                if self.eval_mode == "eager":
+                    raise
+                old, self.eval_mode = self.eval_mode, compile_policy.next_level(self.eval_mode)
+                self.say(
+                    f"compile fallback (evaluation): {old} failed ({type(e).__name__}); using {self.eval_mode}"
+                )
+                self.eval_compiled = compile_policy.compile_model(self.eval_module, self.eval_mode)
+
+    def _eval_graphs_for(self, b: DeviceBatch) -> None:
+        """Compiles the evaluation graph of `b`'s shape (warm-up)."""
+        self.gpt.eval()
+        try:
+            self._eval_loss(b)
+        finally:
+            self.gpt.train()
+
+    @torch.no_grad()
     def evaluate(self) -> float | None:
+        """Mean loss per loss token over the first `eval_batches` batches of the validation
+        set (the same batches every time). Every rank reads them in the same order and
+        evaluates every world_size-th one; the result is the token-weighted mean over all
+        ranks. The feed releases every slot it took, also when it stops early."""
         if self.val_path is None:
             return None
+        world, rank = self.dist.world_size, self.dist.rank
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        count, seen, last = 0, 0, None
         self.gpt.eval()
-        total, count = 0.0, 0
-        loader = self._loader(self.val_path, eval_mode=True)
-        for i, hb in enumerate(loader):
-            if i >= self.cfg.eval_batches:
-                hb.release()
-                break
-            b = self._to_device(hb)
-            with torch.autocast(
-                self.device.type,
-                dtype=self.precision.dtype,
-                enabled=self.precision.dtype is not None,
-            ):
-                # Through the wrapper: under FSDP2 it gathers the sharded parameters.
-                total += float(
-                    self.module(
-                        b.input_ids,
-                        b.targets,
-                        b.position_ids,
-                        b.loss_mask,
-                        self.gpt.make_mask(b.doc_ids, self.attention, b.cu_seqlens),
-                    )
-                )
-            count += int(b.loss_mask.sum())
-        loader.close()
-        self.gpt.train()
-        return total / max(count, 1)
+        try:
+            with DeviceFeed(
+                self._loader(self.val_path, eval_mode=True), self.device, self.segments
+            ) as feed:
+                for i, b in enumerate(feed):
+                    if i >= self.cfg.eval_batches:
+                        break
+                    seen, last = i + 1, b
+                    if i % world == rank:
+                        total += self._eval_loss(b)
+                        count += b.loss_tokens
+                # FSDP2 gathers parameters in every forward, so every rank runs as many
+                # forwards as the busiest one; a spare one counts for nothing.
+                if self.sharded and last is not None and seen % world and rank >= seen % world:
+                    self._eval_loss(last)
+        finally:
+            self.gpt.train()
+        sums = torch.stack(
+            [total, torch.tensor(float(count), dtype=torch.float64, device=self.device)]
+        )
+        sums = distributed.all_sum_tensor(sums, self.dist)
+        loss, tokens = sums.tolist()
+        return loss / tokens if tokens else None
 
     def fit(self) -> dict:
         cfg = self.cfg
@@ -628,7 +664,6 @@ class Trainer:
         history: list[float] = []
         val = None
         t_start = time.perf_counter()
-        self._next = None  # (micro-batches, wait) fetched during the previous step
         cpu_start = loader_cpu_seconds()
         first_step = self.step
         self.warm_up()
@@ -652,10 +687,7 @@ class Trainer:
         while self.step < cfg.max_steps:
             if cfg.halt_after and self.step - first_step >= cfg.halt_after:
                 break
-            batches, wait = (
-                self._next if self._next is not None else self._fetch(cfg.optim.grad_accum)
-            )
-            self._next = None
+            batches, wait = self.feed.take(cfg.optim.grad_accum)
             self.profiler.before_step(self.step)
             p = self.train_step(batches, prefetch=self._prefetch_next)
             self.tokens_seen += p.tokens
@@ -767,6 +799,6 @@ class Trainer:
         self.say(f"step {self.step}: val loss {val:.4f}")
 
     def close(self) -> None:
-        self.loader.close()
+        self.feed.close()
         self.log.close()
         distributed.shutdown(self.dist)

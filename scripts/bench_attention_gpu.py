@@ -18,6 +18,7 @@ import sys
 
 import torch
 
+from pytrain import data
 from pytrain.model import sdpa
 
 
@@ -108,7 +109,7 @@ def main() -> int:
         results["FA4 (flash-attn-4), causal"] = timed(
             lambda: flash4.attention(q4, k4, v4, None), x, args.iters
         )
-        cu = torch.from_numpy(flash4.cu_seqlens(docs.cpu().numpy())).cuda()
+        cu = torch.from_numpy(data.cu_seqlens(docs.cpu().numpy())).cuda()
         seg = flash4.Segments(cu, T)
         results["FA4, document segments (varlen)"] = timed(
             lambda: flash4.attention(q4, k4, v4, seg), x, args.iters

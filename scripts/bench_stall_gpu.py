@@ -15,7 +15,6 @@ queue full and its gaps are ~0.
 from __future__ import annotations
 
 import argparse
-import collections
 import statistics
 import sys
 import tempfile
@@ -29,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_loader import ShardWindows, flat_tokens  # noqa: E402
 
 from pytrain import _loader  # noqa: E402
-from pytrain.data import TokenLoader  # noqa: E402
+from pytrain.data import DeviceFeed, TokenLoader  # noqa: E402
 from pytrain.model import GPT, ModelConfig  # noqa: E402
 
 VOCAB = 50257
@@ -45,15 +44,9 @@ def ours(path, batch, seq, device, mode):
     kw = dict(mode=mode, seq_len=seq, batch_size=batch, threads=4, slots=8, frames_per_block=4)
     if mode == "bucket":
         kw.update(bucket_lengths=(256, 512, 1024), token_budget=batch * seq)
-    loader = TokenLoader(path, **kw)
-    pending = collections.deque()
-    for hb in loader:
-        db = hb.to(device)
-        pending.append(db)
-        while pending and pending[0].release_host():  # release slots whose copy landed
-            pending.popleft()
-        if len(pending) >= 7:  # the host ran 7 batches ahead: wait for the oldest copy
-            pending.popleft().release_host(wait=True)
+    # The loader releases each slot once its copy has landed (waiting for the oldest
+    # copy when the host runs all slots but one ahead).
+    for db in DeviceFeed(TokenLoader(path, **kw), device):
         yield db.input_ids, db.targets, db
 
 

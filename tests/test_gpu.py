@@ -1,6 +1,6 @@
 """On a real GPU: a batch copied from a pinned slot to CUDA (tokens and doc ids only; the rest
 derived there) equals the same batch prepared on the CPU, and the slot comes back once the
-copy is done; the fused output layer + loss (Triton) equals torch's; FlashAttention-4 (where installed) equals SDPA with the document mask. Skipped
+copy is done; `python -m pytrain.train` with evaluation, checkpoints and resume; the fused output layer + loss (Triton) equals torch's; FlashAttention-4 (where installed) equals SDPA with the document mask. Skipped
 without CUDA; on the lent GPU machine,
 where pytest may be missing, `python tests/test_gpu.py` runs the same checks."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pytrain import _loader
+from pytrain import _loader, data
 from pytrain.data import TokenLoader
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -54,7 +54,9 @@ def test_cuda_copy_equals_cpu_preparation(tmp_path: Path | None = None):
             got = getattr(db, k).cpu()
             assert torch.equal(got.to(v.dtype), v), k
         assert db.loss_tokens == loss_tokens == int(db.loss_mask.sum())
-        assert db.release_host(wait=True)
+    assert loader.held_slots <= 1
+    loader.close()
+    assert loader.held_slots == 0
     assert seen_high
 
 
@@ -105,7 +107,7 @@ def test_fa4_segments_equal_document_masked_sdpa():
 
     B, T, H, D = 3, 1024, 4, 64
     doc = packed_doc_ids(B, T, seed=0)
-    cu = torch.from_numpy(flash4.cu_seqlens(doc.numpy())).cuda()
+    cu = torch.from_numpy(data.cu_seqlens(doc.numpy())).cuda()
     g = torch.Generator(device="cuda").manual_seed(0)
     qkv = torch.randn(B, T, 3, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
     dout = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -129,7 +131,6 @@ def test_fa4_segments_equal_document_masked_sdpa():
 def test_fa4_model_compiles_and_matches_the_masked_model():
     """The GPT with attention='fa4' under torch.compile gives the loss and gradients of
     the same weights with the SDPA document mask (eager)."""
-    from pytrain import flash4
     from pytrain.model import GPT, ModelConfig
 
     torch.manual_seed(0)
@@ -142,7 +143,7 @@ def test_fa4_model_compiles_and_matches_the_masked_model():
     ids = torch.randint(0, 512, (B, T + 1), device="cuda")
     d = doc.cuda()
     args = (ids[:, :-1], ids[:, 1:], position_ids(d)[:, :-1], loss_mask(d)[:, :-1])
-    cu = torch.from_numpy(flash4.cu_seqlens(doc[:, :-1].numpy())).cuda()
+    cu = torch.from_numpy(data.cu_seqlens(doc[:, :-1].numpy())).cuda()
     got = bf16_loss_and_grads(
         gpt, torch.compile(gpt.loss_sum), *args, gpt.make_mask(d[:, :-1], "fa4", cu)
     )
@@ -279,6 +280,36 @@ def test_master_adamw_kernels_equal_the_torch_path_on_the_gpu():
     assert float(runs[1][3]) == 3.0
 
 
+@needs_cuda
+def test_cli_run_with_evaluation_checkpoints_and_resume(tmp_path=None):
+    """The path users take: `python -m pytrain.train` on CUDA, compiled (FlexAttention
+    document masking), evaluating three times with 2 loader slots (the first evaluation
+    crashed with "all 2 slots are held"), checkpointing, then resuming."""
+    import re
+    import subprocess
+
+    tmp_path = tmp_path or Path(tempfile.mkdtemp())
+    for name, seed in (("train", 3), ("val", 4)):
+        _loader.write_synthetic(
+            str(tmp_path / name), 1500, mu=5.0, sigma=1.0, vocab=4096, seed=seed
+        )
+    cmd = [sys.executable, "-m", "pytrain.train", "--no-progress",
+           "--data.path", str(tmp_path / "train"), "--data.val_path", str(tmp_path / "val"),
+           "--out_dir", str(tmp_path / "runs"), "--model.n_layer", "2", "--model.d_model", "128",
+           "--data.seq_len", "256", "--data.batch_size", "4", "--data.slots", "2",
+           "--eval_every", "5", "--eval_batches", "3", "--ckpt_every", "10", "--samples", "1",
+           "--max_steps", "20", "--halt_after", "10"]  # fmt: skip
+    outs = [subprocess.run(cmd, capture_output=True, text=True, timeout=900) for _ in range(2)]
+    for r in outs:
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        assert "flex_attention called without torch.compile" not in r.stderr
+    assert "resumed from" in outs[1].stdout and "at step 10" in outs[1].stdout
+    log = (tmp_path / "runs" / "default" / "train.log").read_text()
+    vals = re.findall(r"^step (\d+) val_loss (\S+)", log, re.M)
+    assert [int(s) for s, _ in vals] == [5, 10, 15, 20], log
+    assert "recompile(s) after warm-up" not in outs[0].stdout + outs[1].stdout
+
+
 if __name__ == "__main__":
     if not torch.cuda.is_available():
         sys.exit("no CUDA device")
@@ -288,7 +319,8 @@ if __name__ == "__main__":
     test_compiled_model_with_fused_ce_matches_unfused()
     test_cuda_graphs_with_gradient_accumulation_match_default_compile()
     test_master_adamw_kernels_equal_the_torch_path_on_the_gpu()
-    ran = ["copy", "guard", "fused_ce", "graphs+accumulation", "master_adamw"]
+    test_cli_run_with_evaluation_checkpoints_and_resume()
+    ran = ["copy", "guard", "fused_ce", "graphs+accumulation", "master_adamw", "cli"]
     if fa4_available():
         test_fa4_segments_equal_document_masked_sdpa()
         test_fa4_model_compiles_and_matches_the_masked_model()

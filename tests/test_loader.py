@@ -290,7 +290,7 @@ def reference_segments(doc: np.ndarray) -> list[tuple[int, int]]:
 
 
 def test_cu_seqlens_are_the_document_runs_of_each_row():
-    from pytrain.flash4 import cu_seqlens
+    from pytrain.data import cu_seqlens
 
     rng = np.random.default_rng(5)
     for _ in range(200):

@@ -58,3 +58,32 @@ def test_embedded_default_trains_logs_checkpoints_and_resumes(tmp_path):
     assert "resumed from" in r.stdout and "at step 60" in r.stdout
     assert "building the embedded default dataset" not in r.stdout  # cached
     assert "done: 70 steps" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--data.path", "{tmp}/missing"], "--data.path {tmp}/missing: no such directory"),
+        (["--data.path", "{tmp}"], "--data.path {tmp}: not a dataset made by pack-shards"),
+        (["--data.path", "{train}", "--data.val_path", "{tmp}/nope"], "--data.val_path {tmp}/nope"),
+        (["--config", "{tmp}/none.toml"], "--config {tmp}/none.toml: no such file"),
+        (["--config", "{tmp}/bad.toml"], "unknown setting 'model.n_layers'"),
+        (["--optim.lrr", "1"], "unrecognized arguments: --optim.lrr"),
+        (["--compile=maybe"], "'maybe' is not a boolean"),
+    ],
+)
+def test_user_errors_are_one_line_naming_the_path_or_key(tmp_path, small_corpus, args, named):
+    """A wrong path or key: exit code 2 and one line that names it, no traceback."""
+    (tmp_path / "bad.toml").write_text("[model]\nn_layers = 3\n")
+    subst = {"tmp": str(tmp_path), "train": str(small_corpus[0])}
+    args = [a.format(**subst) for a in args]
+    r = subprocess.run(
+        [sys.executable, "-m", "pytrain.train", "--out_dir", str(tmp_path / "runs"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    lines = [line for line in r.stderr.splitlines() if "error" in line]
+    assert len(lines) == 1 and named.format(**subst) in lines[0], r.stderr

@@ -1,0 +1,292 @@
+"""GPU acceptance: the commands a user runs, run as a user runs them, on one GPU.
+
+    PYTHONPATH=$PWD python scripts/gpu_acceptance.py [--work DIR] [--rows default,preset,...]
+
+Rows (each a fresh run directory; the preset rows share one Inductor cache, as a user's
+repeated runs of one preset would):
+  default     `python -m pytrain.train` (the embedded default) from an empty cache, with
+              its evaluation, samples and report
+  preset      the GPT-2 124M preset on a packed dataset with a validation set: evaluation at
+              least twice and a checkpoint, then a second invocation that resumes
+  preset-ac   the same with --activation_checkpointing full
+  preset-bucket  the same with --data.mode bucket
+  torchrun    `torchrun --nproc_per_node=1` of the preset (DDP on one GPU), with resume
+  pack        `pack-shards` on real text (Python sources as JSONL) with a real tokenizer
+              file, then training on it with evaluation
+
+Every row checks the exit codes, that validation losses were logged, that the second
+invocation resumed and continued the step count, and that nothing went non-finite. The
+preset rows change only the run length (--max_steps, --halt_after, --eval_every,
+--ckpt_every) and --optim.grad_accum 2 (the preset's 32 would make a step 1 s). A
+pass/fail table is printed last, and written to WORK/acceptance.md and .json."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import sysconfig
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+TRAIN = [PY, "-m", "pytrain.train", "--no-progress"]
+
+
+@dataclass
+class Row:
+    name: str
+    command: str
+    ok: bool = False
+    wall_s: float = 0.0
+    steps: int = 0
+    train_loss: float = math.nan
+    val_loss: float = math.nan
+    evals: int = 0
+    resumed: str = "-"
+    note: str = ""
+    logs: list[str] = field(default_factory=list)
+
+
+def run(cmd: list[str], log: Path, env: dict | None = None) -> tuple[int, str]:
+    """Runs `cmd`, teeing its output to `log`; returns (exit code, output)."""
+    t0 = time.perf_counter()
+    r = subprocess.run(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+    )
+    log.write_text(
+        f"$ {' '.join(cmd)}\n{r.stdout}\n[exit {r.returncode} after {time.perf_counter() - t0:.0f}s]\n"
+    )
+    return r.returncode, r.stdout
+
+
+def read_log(run_dir: Path, row: Row) -> None:
+    """Steps, last train and validation loss, evaluations from runs/<name>/train.log."""
+    text = (run_dir / "train.log").read_text() if (run_dir / "train.log").exists() else ""
+    steps = [int(s) for s in re.findall(r"^step (\d+) loss", text, re.M)]
+    losses = [float(x) for x in re.findall(r"^step \d+ loss (\S+)", text, re.M)]
+    vals = [float(x) for x in re.findall(r"^step \d+ val_loss (\S+)", text, re.M)]
+    row.steps = max(steps, default=0)
+    row.train_loss = losses[-1] if losses else math.nan
+    row.val_loss = vals[-1] if vals else math.nan
+    row.evals = len(vals)
+    if any(not math.isfinite(x) for x in losses + vals):
+        row.note += "non-finite loss; "
+
+
+def train_twice(row: Row, work: Path, args: list[str], first: int, total: int, launcher=None):
+    """Two invocations of the same command: the first halts after `first` steps (a
+    checkpoint), the second resumes and runs to `total`."""
+    launcher = launcher or TRAIN
+    cmd = [*launcher, *args, "--out_dir", str(work / "runs"), "--name", row.name,
+           "--max_steps", str(total), "--halt_after", str(first)]  # fmt: skip
+    row.command = " ".join(c if c != PY else "python" for c in cmd)
+    t0 = time.perf_counter()
+    rc1, out1 = run(cmd, work / f"{row.name}-1.log")
+    rc2, out2 = run(cmd, work / f"{row.name}-2.log")
+    row.wall_s = time.perf_counter() - t0
+    read_log(work / "runs" / row.name, row)
+    m = re.search(r"resumed from \S+ at step (\d+)", out2)
+    row.resumed = f"at step {m.group(1)}" if m else "no"
+    problems = []
+    if rc1 or rc2:
+        problems.append(f"exit codes {rc1}, {rc2}")
+    if not m or int(m.group(1)) != first:
+        problems.append(f"second run did not resume at step {first}")
+    if row.steps != total:
+        problems.append(f"last logged step {row.steps}, not {total}")
+    if row.evals < 2:
+        problems.append(f"{row.evals} evaluation(s)")
+    for out in (out1, out2):
+        if "Traceback" in out:
+            problems.append("traceback in output")
+        if "recompile(s) after warm-up" in out:
+            problems.append("recompiles after warm-up")
+        if "flex_attention called without torch.compile" in out:
+            problems.append("uncompiled FlexAttention")
+    row.note += "; ".join(problems)
+    row.ok = not problems and not row.note
+
+
+def row_default(work: Path) -> Row:
+    row = Row("default", "python -m pytrain.train")
+    env = {"PYTRAIN_CACHE": str(work / "cache")}
+    t0 = time.perf_counter()
+    rc, out = run([*TRAIN, "--out_dir", str(work / "runs")], work / "default.log", env)
+    row.wall_s = time.perf_counter() - t0
+    read_log(work / "runs" / "default", row)
+    m = re.search(r"validation loss ([\d.]+) nats/token vs unigram baseline ([\d.]+)", out)
+    problems = [f"exit code {rc}"] if rc else []
+    if "building the embedded default dataset" not in out:
+        problems.append("dataset not built from an empty cache")
+    if not m or float(m.group(1)) >= float(m.group(2)):
+        problems.append("validation loss not below the unigram baseline")
+    if "--- sample 1 ---" not in out:
+        problems.append("no samples")
+    if "flex_attention called without torch.compile" in out or "Traceback" in out:
+        problems.append("uncompiled FlexAttention or a traceback")
+    row.note = "; ".join(problems)
+    row.ok = not problems and row.evals >= 2
+    return row
+
+
+def default_dataset(work: Path) -> tuple[Path, Path]:
+    """The embedded default's train/val split (row `default` builds it)."""
+    root = work / "cache" / "stdlib-bpe4096"
+    if not (root / "val" / "manifest.json").exists():
+        env = {"PYTRAIN_CACHE": str(work / "cache")}
+        code = "from pytrain.corpus import build_default; build_default()"
+        subprocess.run([PY, "-c", code], check=True, cwd=ROOT, env={**os.environ, **env})
+    return root / "train", root / "val"
+
+
+def preset_args(work: Path, *extra: str) -> list[str]:
+    train, val = default_dataset(work)
+    return ["--config", "configs/gpt2-124m.toml", "--data.path", str(train), "--data.val_path", str(val),
+            "--optim.grad_accum", "2", "--compile.cache_dir", str(work / "inductor-cache"),
+            "--samples", "1", *extra]  # fmt: skip
+
+
+def row_preset(work: Path, name: str, *extra: str) -> Row:
+    row = Row(name, "")
+    args = preset_args(
+        work, "--eval_every", "10", "--ckpt_every", "20", "--eval_batches", "4", *extra
+    )
+    train_twice(row, work, args, first=20, total=40)
+    return row
+
+
+def row_torchrun(work: Path) -> Row:
+    row = Row("torchrun", "")
+    launcher = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+                "-m", "pytrain.train", "--no-progress"]  # fmt: skip
+    args = preset_args(work, "--eval_every", "10", "--ckpt_every", "20", "--eval_batches", "4")
+    train_twice(row, work, args, first=20, total=40, launcher=launcher)
+    return row
+
+
+def row_pack(work: Path) -> Row:
+    """Real text: the Python sources installed on this machine (site-packages), as JSONL
+    (one file a document), packed with the embedded default's tokenizer.json (trained by
+    `tokenizers`, a real Hugging Face file), then a run of the default model on it."""
+    row = Row("pack", "")
+    site = Path(sysconfig.get_paths()["purelib"])
+    raw = work / "realtext"
+    raw.mkdir(parents=True, exist_ok=True)
+    files = sorted(p for p in site.rglob("*.py") if 0 < p.stat().st_size < 200_000)
+    total = 0
+    with open(raw / "train.jsonl", "w") as tr, open(raw / "val.jsonl", "w") as va:
+        for i, p in enumerate(files):
+            text = p.read_text(encoding="utf-8", errors="replace")
+            (va if i % 50 == 0 else tr).write(json.dumps({"text": text, "path": str(p)}) + "\n")
+            total += len(text)
+            if total > 40_000_000:
+                break
+    tok = default_dataset(work)[0].parent / "tokenizer.json"
+    t0 = time.perf_counter()
+    packs = []
+    for split in ("train", "val"):
+        cmd = [PY, "-m", "pytrain.pack_shards", str(raw / f"{split}.jsonl"), "-o", str(work / "packed" / split),
+               "--tokenizer", str(tok), "--overwrite", "--no-progress"]  # fmt: skip
+        packs.append(run(cmd, work / f"pack-{split}.log"))
+    row.note = "; ".join(f"pack exit {rc}" for rc, _ in packs if rc)
+    args = ["--data.path", str(work / "packed" / "train"), "--data.val_path", str(work / "packed" / "val"),
+            "--eval_every", "20", "--ckpt_every", "30", "--samples", "1"]  # fmt: skip
+    train_twice(row, work, args, first=30, total=60)
+    row.wall_s = time.perf_counter() - t0  # packing included
+    m = re.search(r"packed ([\d,]+) documents .* ([\d,]+) tokens from ([\d.,]+) MB", packs[0][1])
+    if m:
+        row.command = f"pack-shards ({m.group(1)} docs, {m.group(3)} MB) + " + row.command
+    return row
+
+
+ROWS = {
+    "default": row_default,
+    "preset": lambda w: row_preset(w, "preset"),
+    "preset-ac": lambda w: row_preset(w, "preset-ac", "--activation_checkpointing", "full"),
+    "preset-bucket": lambda w: row_preset(
+        w,
+        "preset-bucket",
+        "--data.mode",
+        "bucket",
+        "--data.bucket_lengths",
+        "256",
+        "512",
+        "1024",
+        "--data.token_budget",
+        "16384",
+    ),  # fmt: skip
+    "torchrun": row_torchrun,
+    "pack": row_pack,
+}
+
+
+def table(rows: list[Row]) -> str:
+    lines = [
+        "| row | result | wall s | steps | train loss | val loss | evals | resumed | note |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.name} | {'PASS' if r.ok else 'FAIL'} | {r.wall_s:.0f} | {r.steps} | {r.train_loss:.4f} | "
+            f"{r.val_loss:.4f} | {r.evals} | {r.resumed} | {r.note or '-'} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--work",
+        type=Path,
+        default=Path("runs/acceptance"),
+        help="scratch directory (emptied runs)",
+    )
+    p.add_argument(
+        "--rows", default=",".join(ROWS), help=f"comma-separated subset of {', '.join(ROWS)}"
+    )
+    args = p.parse_args()
+    work = args.work.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name in args.rows.split(","):
+        t0 = time.perf_counter()
+        try:
+            row = ROWS[name](work)
+        except Exception as e:  # a broken row is a failed row, the others still run
+            row = Row(name, "", note=f"{type(e).__name__}: {e}", wall_s=time.perf_counter() - t0)
+        rows.append(row)
+        print(
+            f"[{name}] {'PASS' if row.ok else 'FAIL'} in {row.wall_s:.0f}s {row.note}", flush=True
+        )
+        (work / "acceptance.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    import torch
+
+    head = f"GPU acceptance, {time.strftime('%Y-%m-%d')}, {torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'}, torch {torch.__version__}"
+    text = (
+        head
+        + "\n\n"
+        + table(rows)
+        + "\n\ncommands:\n"
+        + "\n".join(f"- {r.name}: `{r.command}`" for r in rows)
+    )
+    (work / "acceptance.md").write_text(text + "\n")
+    print(text)
+    return 0 if all(r.ok for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
