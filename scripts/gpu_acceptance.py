@@ -74,9 +74,10 @@ def run(cmd: list[str], log: Path, env: dict | None = None) -> tuple[int, str]:
 def read_log(run_dir: Path, row: Row) -> None:
     """Steps, last train and validation loss, evaluations from runs/<name>/train.log."""
     text = (run_dir / "train.log").read_text() if (run_dir / "train.log").exists() else ""
-    steps = [int(s) for s in re.findall(r"^step (\d+) loss", text, re.M)]
-    losses = [float(x) for x in re.findall(r"^step \d+ loss (\S+)", text, re.M)]
-    vals = [float(x) for x in re.findall(r"^step \d+ val_loss (\S+)", text, re.M)]
+    # Lines are "<date> <time> step N loss X ..." and "<date> <time> step N val_loss X".
+    steps = [int(s) for s in re.findall(r"\bstep (\d+) loss ", text)]
+    losses = [float(x) for x in re.findall(r"\bstep \d+ loss (\S+)", text)]
+    vals = [float(x) for x in re.findall(r"\bstep \d+ val_loss (\S+)", text)]
     row.steps = max(steps, default=0)
     row.train_loss = losses[-1] if losses else math.nan
     row.val_loss = vals[-1] if vals else math.nan

@@ -305,7 +305,7 @@ def test_cli_run_with_evaluation_checkpoints_and_resume(tmp_path=None):
         assert "flex_attention called without torch.compile" not in r.stderr
     assert "resumed from" in outs[1].stdout and "at step 10" in outs[1].stdout
     log = (tmp_path / "runs" / "default" / "train.log").read_text()
-    vals = re.findall(r"^step (\d+) val_loss (\S+)", log, re.M)
+    vals = re.findall(r"\bstep (\d+) val_loss (\S+)", log)
     assert [int(s) for s, _ in vals] == [5, 10, 15, 20], log
     assert "recompile(s) after warm-up" not in outs[0].stdout + outs[1].stdout
 
