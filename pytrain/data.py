@@ -315,7 +315,7 @@ class TokenLoader:
         pin = torch.cuda.is_available() if c.pin_memory is None else c.pin_memory
         n = self._slot_elems()
         if self._inner is not None:
-            self._drain()
+            self._reclaim(keep=0)
         # Fresh slot memory on every (re)start: batches still held from an earlier start
         # keep their own memory and are never overwritten.
         token_dtype = torch.uint16 if self.dataset.dtype == "uint16" else torch.int32
@@ -357,7 +357,8 @@ class TokenLoader:
     def __next__(self) -> HostBatch:
         if self._inner is None:
             raise StopIteration
-        self._reclaim()
+        # The consumer may hold all slots but one: the one the loader threads fill next.
+        self._reclaim(keep=max(1, self.config.slots - 1))
         got = self._inner.next()
         if got is None:
             raise StopIteration
@@ -387,20 +388,13 @@ class TokenLoader:
         """The slot of `hb` is being copied; release it once `landed` says so."""
         self._landing.append((hb, landed))
 
-    def _reclaim(self) -> None:
-        """Releases the slots whose copies have landed; if the consumer would otherwise hold
-        all but one slot (the one the loader threads fill next), waits for the oldest copy.
+    def _reclaim(self, keep: int) -> None:
+        """Releases the slots whose copies have landed, then waits for the oldest copies
+        until the consumer holds fewer than `keep` slots (0: every copy, as on close).
         Copies land in the order they were queued (one side stream)."""
         while self._landing and self._landing[0][1].query():
             self._release(self._landing.popleft()[0])
-        while self._landing and len(self._held) >= max(1, self.config.slots - 1):
-            hb, landed = self._landing.popleft()
-            landed.synchronize()
-            self._release(hb)
-
-    def _drain(self) -> None:
-        """Waits for every copy in flight and releases its slot."""
-        while self._landing:
+        while self._landing and len(self._held) >= keep:
             hb, landed = self._landing.popleft()
             landed.synchronize()
             self._release(hb)
@@ -435,7 +429,7 @@ class TokenLoader:
     def close(self) -> None:
         """Waits for copies in flight, then stops the loader threads."""
         if self._inner is not None:
-            self._drain()
+            self._reclaim(keep=0)
         self._inner = None
 
     def __enter__(self) -> TokenLoader:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pytrain import _loader
+from pytrain.shards import sample_documents
 
 SAMPLE_TOKENS = 4_000_000
 """Tokens read from each dataset for the unigram baseline: a bounded sample, so a
@@ -14,30 +14,12 @@ SAMPLE_TOKENS = 4_000_000
 PROMPT_TOKENS = 8
 
 
-def frames_sample(path, max_tokens: int) -> list[np.ndarray]:
-    """Documents of frames spread evenly over the dataset, up to about `max_tokens`
-    tokens (every frame of a small dataset)."""
-    ds = _loader.Dataset(str(path))
-    dtype = "<u2" if ds.dtype == "uint16" else "<u4"
-    per_frame = max(1, ds.n_tokens // max(1, ds.n_frames))
-    want = min(ds.n_frames, max(1, -(-max_tokens // per_frame)))
-    out, total = [], 0
-    for f in np.linspace(0, ds.n_frames - 1, want).round().astype(int).tolist():
-        raw, lens = ds.read_frame(f)
-        toks = np.frombuffer(raw, dtype=dtype)
-        out.extend(np.split(toks, np.cumsum(lens)[:-1]))
-        total += len(toks)
-        if total >= max_tokens:
-            break
-    return out
-
-
 def unigram_baseline(train_path, val_path, vocab: int, max_tokens: int = SAMPLE_TOKENS) -> float:
     """Cross-entropy (nats/token) of validation tokens under the training set's unigram
     distribution (add-one smoothed): what a model without context achieves. Both come
-    from bounded samples of frames (`frames_sample`)."""
-    train = np.concatenate(frames_sample(train_path, max_tokens)).astype(np.int64)
-    val = np.concatenate(frames_sample(val_path, max_tokens)).astype(np.int64)
+    from bounded samples of frames (`sample_documents`)."""
+    train = np.concatenate(sample_documents(train_path, max_tokens)).astype(np.int64)
+    val = np.concatenate(sample_documents(val_path, max_tokens)).astype(np.int64)
     counts = np.bincount(train, minlength=vocab).astype(np.float64) + 1.0
     logp = np.log(counts / counts.sum())
     return float(-logp[val].mean())
@@ -45,7 +27,7 @@ def unigram_baseline(train_path, val_path, vocab: int, max_tokens: int = SAMPLE_
 
 def prompts(path, n: int, tokens: int = PROMPT_TOKENS) -> list[list[int]]:
     """The first `tokens` ids of `n` held-out documents (spread over the dataset)."""
-    docs = [d for d in frames_sample(path, 200_000) if len(d) > tokens]
+    docs = [d for d in sample_documents(path, 200_000) if len(d) > tokens]
     step = max(1, len(docs) // max(1, n))
     return [docs[i][:tokens].tolist() for i in range(0, len(docs), step)][:n]
 
@@ -68,11 +50,7 @@ def samples(trainer, n: int, tokens: int) -> list[str]:
     trainer.gpt.eval()
     for p in prompts(trainer.val_path or trainer.train_path, n):
         ids = torch.tensor([p], device=trainer.device)
-        with torch.autocast(
-            trainer.device.type,
-            dtype=trainer.precision.dtype,
-            enabled=trainer.precision.dtype is not None,
-        ):
+        with trainer.precision.autocast(trainer.device):
             ids = trainer.gpt.generate(ids, tokens, stop=eos)
         out.append(tok.decode(ids[0].tolist()))
     trainer.gpt.train()

@@ -56,6 +56,10 @@ class Precision:
     scaler: torch.amp.GradScaler | None
     name: str
 
+    def autocast(self, device: torch.device) -> torch.autocast:
+        """The autocast context of this precision (off for fp32)."""
+        return torch.autocast(device.type, dtype=self.dtype, enabled=self.dtype is not None)
+
 
 def choose_precision(requested: str, device: torch.device) -> Precision:
     cuda = device.type == "cuda"
@@ -392,14 +396,17 @@ class Trainer:
         if self.step + 1 < self.cfg.max_steps:
             self.feed.prefetch(self.cfg.optim.grad_accum)
 
-    def _micro_loss(self, b: DeviceBatch) -> torch.Tensor:
+    def _mask(self, b: DeviceBatch, compiled: bool):
+        """The attention mask of `b` for the model (see GPT.make_mask)."""
         mask = self.gpt.make_mask(b.doc_ids, self.attention, b.cu_seqlens)
-        if isinstance(mask, flash4.Segments) and self.compile_mode != "eager":
+        if isinstance(mask, flash4.Segments) and compiled:
             # The number of segments varies by batch: one graph for all of them.
             torch._dynamo.mark_dynamic(mask.cu_seqlens, 0)
-        with torch.autocast(
-            self.device.type, dtype=self.precision.dtype, enabled=self.precision.dtype is not None
-        ):
+        return mask
+
+    def _micro_loss(self, b: DeviceBatch) -> torch.Tensor:
+        mask = self._mask(b, self.compile_mode != "eager")
+        with self.precision.autocast(self.device):
             if self.inject_compile_failure == (self.step, self.compile_mode):
                 raise compile_policy.InjectedCompileFailure(
                     f"injected failure at step {self.step} ({self.compile_mode})"
@@ -589,23 +596,18 @@ class Trainer:
         """Summed loss of one batch in evaluation mode (no dropout, no activation
         checkpointing, the plain output layer), through the compiled evaluation module with
         the training's attention; a compile failure drops the evaluation one level."""
-        mask = self.gpt.make_mask(b.doc_ids, self.attention, b.cu_seqlens)
-        if isinstance(mask, flash4.Segments) and self.eval_mode != "eager":
-            torch._dynamo.mark_dynamic(mask.cu_seqlens, 0)
+        mask = self._mask(b, self.eval_mode != "eager")
         while True:
             try:
-                with torch.autocast(
-                    self.device.type,
-                    dtype=self.precision.dtype,
-                    enabled=self.precision.dtype is not None,
-                ):
+                with self.precision.autocast(self.device):
                     return self.eval_compiled(
                         b.input_ids, b.targets, b.position_ids, b.loss_mask, mask
                     ).float()
             except Exception as e:
-                if not (self.cfg.compile.guard and compile_policy.is_compile_failure(e)):
-                    raise
-                if self.eval_mode == "eager":
+                if (
+                    not (self.cfg.compile.guard and compile_policy.is_compile_failure(e))
+                    or self.eval_mode == "eager"
+                ):
                     raise
                 old, self.eval_mode = self.eval_mode, compile_policy.next_level(self.eval_mode)
                 self.say(
