@@ -147,6 +147,8 @@ class HostBatch:
     """Runs of one document in the batch; each one's last token has no target."""
     _slot: int = -1
     _owner: TokenLoader | None = None
+    _inner: _loader.Loader | None = None
+    """The loader threads that filled the slot (a restart starts new ones)."""
 
     @staticmethod
     def synthetic(rows: int, seq_len: int, vocab: int, generator: torch.Generator) -> HostBatch:
@@ -328,6 +330,7 @@ class TokenLoader:
         ]
         self._view_cache: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._held: set[int] = set()  # slots handed out and not yet given back
+        self._keep = max(1, c.slots - 1)  # the consumer may hold all slots but one
         self._landing: deque[tuple[HostBatch, CopyEvent]] = deque()  # copies in flight
         self._inner = None  # stop the old threads before starting new ones
         self._inner = _loader.Loader(
@@ -358,14 +361,14 @@ class TokenLoader:
         if self._inner is None:
             raise StopIteration
         # The consumer may hold all slots but one: the one the loader threads fill next.
-        self._reclaim(keep=max(1, self.config.slots - 1))
+        self._reclaim(self._keep)
         got = self._inner.next()
         if got is None:
             raise StopIteration
         slot, rows, width, epoch, doc_tokens, pad_tokens, pieces = got
         t, d = self._views(slot, rows, width)
         self._held.add(slot)
-        return HostBatch(t, d, epoch, doc_tokens, pad_tokens, pieces, slot, self)
+        return HostBatch(t, d, epoch, doc_tokens, pad_tokens, pieces, slot, self, self._inner)
 
     def _views(self, slot: int, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, width) views of a slot's arrays, made once per slot and shape: a batch
@@ -379,8 +382,8 @@ class TokenLoader:
 
     # ---- slot life ----------------------------------------------------------------------
     def _release(self, hb: HostBatch) -> None:
-        # A batch of an earlier start has its own slot memory and its loader is gone.
-        if hb._slot in self._held and hb.tokens.data_ptr() == self._slots[hb._slot][0].data_ptr():
+        # A batch of an earlier start has its own slot memory and its threads are gone.
+        if hb._inner is self._inner:
             self._held.discard(hb._slot)
             self._inner.release(hb._slot)
 
