@@ -1,8 +1,14 @@
 """`pack-shards`: pretokenize raw text into a token-shard dataset, and check one.
 
     pack-shards INPUT... -o OUT [--tokenizer tokenizer.json|byte] [options]
+    pack-shards import FILE.bin... -o OUT [--vocab-size N | --tokenizer tokenizer.json]
     pack-shards verify DATASET
     pack-shards inspect DATASET [--plot lengths.png]
+
+Every token of every document is kept: a tokenizer.json's truncation and padding are
+switched off for packing, its post-processor template adds nothing
+(add_special_tokens=False), and the only tokens added are the end-of-document token
+(--eos, on by default; --eos-token to choose it) and, with --bos, a begin-of-document token.
 
 Exit codes: 0 success; 1 bad input (file:line in the message); 2 bad arguments;
 3 the output already exists; 4 verification failed."""
@@ -10,6 +16,7 @@ Exit codes: 0 success; 1 bad input (file:line in the message); 2 bad arguments;
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -28,14 +35,10 @@ def _pack_parser() -> argparse.ArgumentParser:
         nargs="+",
         help="files, directories or globs (.txt .jsonl .jsonl.gz .jsonl.zst .parquet)",
     )
-    p.add_argument("-o", "--output", required=True, type=Path, help="dataset directory to create")
     p.add_argument(
         "--tokenizer",
         default="byte",
         help="path to a Hugging Face tokenizer.json, or 'byte' (built in)",
-    )
-    p.add_argument(
-        "--dtype", default="auto", choices=["auto", "uint16", "uint32"], help="token dtype on disk"
     )
     p.add_argument(
         "--text-field", default="text", help="JSON field / parquet column holding the text"
@@ -53,10 +56,48 @@ def _pack_parser() -> argparse.ArgumentParser:
         help="append the end-of-text token to every document",
     )
     p.add_argument(
+        "--eos-token",
+        default=None,
+        metavar="TOKEN_OR_ID",
+        help="the end-of-text token (a token string such as '</s>', or an id); default: the "
+        "tokenizer's, found by name (<|endoftext|>, <|end_of_text|>, </s>, <eos>, ..., [SEP]); "
+        "the choice is printed and recorded in the manifest",
+    )
+    p.add_argument(
         "--bos",
         action=argparse.BooleanOptionalAction,
         default=False,
         help="prepend the begin-of-text token",
+    )
+    p.add_argument(
+        "--bos-token",
+        default=None,
+        metavar="TOKEN_OR_ID",
+        help="the begin-of-text token (token string or id); implies --bos",
+    )
+    p.add_argument(
+        "--on-bad-input",
+        choices=["stop", "skip"],
+        default="stop",
+        help="stop: exit at the first bad document with file:line (default); skip: leave bad "
+        "documents (and unreadable rests of files) out, list them in the manifest, print a summary",
+    )
+    p.add_argument("--batch-docs", type=int, default=512, help="documents per encode_batch call")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=os.cpu_count(),
+        help="tokenizer threads (output does not depend on it)",
+    )
+    _add_output_args(p)
+    return p
+
+
+def _add_output_args(p: argparse.ArgumentParser) -> None:
+    """Options of the dataset written (shared by packing and import)."""
+    p.add_argument("-o", "--output", required=True, type=Path, help="dataset directory to create")
+    p.add_argument(
+        "--dtype", default="auto", choices=["auto", "uint16", "uint32"], help="token dtype on disk"
     )
     p.add_argument(
         "--frame-mib", type=float, default=2.0, help="uncompressed MiB of tokens per zstd frame"
@@ -70,13 +111,6 @@ def _pack_parser() -> argparse.ArgumentParser:
         "faster decoding (1.3x on real BPE text, 2.6x on near-random ids) for 1.25-1.4x the disk "
         "(see BENCHMARKS.md)",
     )
-    p.add_argument("--batch-docs", type=int, default=512, help="documents per encode_batch call")
-    p.add_argument(
-        "--workers",
-        type=int,
-        default=os.cpu_count(),
-        help="tokenizer threads (output does not depend on it)",
-    )
     p.add_argument(
         "--overwrite",
         action=argparse.BooleanOptionalAction,
@@ -89,7 +123,6 @@ def _pack_parser() -> argparse.ArgumentParser:
         default=True,
         help="show a progress bar",
     )
-    return p
 
 
 ZSTD_LEVELS = (-(1 << 17), 22)  # libzstd's ZSTD_minCLevel() and ZSTD_maxCLevel()
@@ -102,11 +135,10 @@ def pack_main(argv: list[str]) -> int:
         parser.error(
             f"--zstd-level {args.zstd_level} is outside zstd's {ZSTD_LEVELS[0]}..{ZSTD_LEVELS[1]}"
         )
-    # Tokenizers' thread pool reads these once, at first use: set them before importing.
-    os.environ["RAYON_NUM_THREADS"] = str(max(1, args.workers))
-    os.environ["RAYON_RS_NUM_THREADS"] = str(max(1, args.workers))
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
-    from pytrain.inputs import InputError, ReadOptions
+    if args.eos_token is not None and not args.eos:
+        parser.error("--eos-token names the token --no-eos leaves out; give one or the other")
+    _set_workers(args.workers)
+    from pytrain.inputs import BadInputs, InputError, ReadOptions
     from pytrain.shards import DatasetExistsError, PackOptions, iter_documents, pack
     from pytrain.tokenizer import TokenizerError
 
@@ -116,18 +148,25 @@ def pack_main(argv: list[str]) -> int:
         text_field=args.text_field,
         txt_per_line=args.txt_per_line,
         append_eos=args.eos,
-        prepend_bos=args.bos,
+        prepend_bos=args.bos or args.bos_token is not None,
+        eos_token=args.eos_token,
+        bos_token=args.bos_token,
         frame_mib=args.frame_mib,
         shard_mib=args.shard_mib,
         zstd_level=args.zstd_level,
         batch_docs=args.batch_docs,
+        on_bad_input=args.on_bad_input,
     )
+    bad = BadInputs(args.on_bad_input)
     docs = iter_documents(
-        args.inputs, ReadOptions(text_field=args.text_field, txt_per_line=args.txt_per_line)
+        args.inputs, ReadOptions(text_field=args.text_field, txt_per_line=args.txt_per_line), bad
     )
     bar = _progress_bar() if args.progress else None
     try:
-        report = pack(docs, args.output, opts, overwrite=args.overwrite, progress=bar)
+        report = pack(
+            docs, args.output, opts, overwrite=args.overwrite, progress=bar,
+            say=bar.write if bar else _say, bad=bad,
+        )  # fmt: skip
     except DatasetExistsError as e:
         _close(bar)
         print(f"pack-shards: {e}", file=sys.stderr)
@@ -147,7 +186,16 @@ def pack_main(argv: list[str]) -> int:
         f"({mb / secs:,.1f} MB/s, {report.tokens / secs / 1e6:,.2f} M tokens/s) into {len(report.shards)} shard(s), "
         f"{comp / 1e6:,.1f} MB on disk -> {args.output}"
     )
+    if bad.count:
+        print(f"pack-shards: {bad.summary()}", file=sys.stderr)
     return 0
+
+
+def _set_workers(workers: int) -> None:
+    # Tokenizers' thread pool reads these once, at first use: set them before importing.
+    os.environ["RAYON_NUM_THREADS"] = str(max(1, workers))
+    os.environ["RAYON_RS_NUM_THREADS"] = str(max(1, workers))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
 
 
 def _close(bar) -> None:
@@ -171,8 +219,15 @@ class _progress_bar:
         self.seen = r.input_bytes
         self.bar.set_postfix(docs=f"{r.documents:,}", tokens=f"{r.tokens:,}", refresh=False)
 
+    def write(self, line: str) -> None:
+        self.bar.write(f"pack-shards: {line}", file=sys.stderr)
+
     def close(self) -> None:
         self.bar.close()
+
+
+def _say(line: str) -> None:
+    print(f"pack-shards: {line}", file=sys.stderr)
 
 
 def verify_main(argv: list[str]) -> int:
@@ -207,12 +262,26 @@ def inspect_main(argv: list[str]) -> int:
     from pytrain.shards import doc_lengths, read_manifest
 
     m = read_manifest(args.dataset)
+    tk = m["tokenizer"]
     lens = doc_lengths(args.dataset)
     t = m["totals"]
     print(f"dataset     {args.dataset}")
     print(
-        f"tokenizer   {m['tokenizer']['name']} (vocab {m['tokenizer']['vocab_size']}, sha256 {m['tokenizer']['sha256'][:12]})"
+        f"tokenizer   {tk['name']} (vocab {tk['vocab_size']}, sha256 {(tk.get('sha256') or 'none')[:12]})"
     )
+    added = [
+        f"{what} {tk.get(f'{key}_token')!r} (id {tk[f'{key}_id']})"
+        for key, what, flag in (("eos", "end", "append_eos"), ("bos", "start", "prepend_bos"))
+        if m["args"].get(flag) and tk.get(f"{key}_id") is not None
+    ]
+    print(f"added       {', '.join(added) or 'no tokens'} per document")
+    off = tk.get("packing", {}).get("file_settings_switched_off", {})
+    if off:
+        print(f"switched off {', '.join(f'{k} {json.dumps(v)}' for k, v in off.items())}")
+    if m.get("bad_input", {}).get("skipped"):
+        print(
+            f"bad input   {m['bad_input']['skipped']:,} skipped (listed in manifest.json bad_input)"
+        )
     print(f"dtype       {m['dtype']}")
     print(f"shards      {len(m['shards'])}   frames {t['frames']}   bytes {t['bytes']:,}")
     print(f"documents   {t['documents']:,} ({t['skipped_empty']:,} empty skipped)")
@@ -246,8 +315,73 @@ def inspect_main(argv: list[str]) -> int:
     return 0
 
 
+def import_main(argv: list[str]) -> int:
+    from pytrain.pretokenized import FORMATS
+
+    p = argparse.ArgumentParser(
+        prog="pack-shards import",
+        description="Convert already tokenized data, token for token, keeping document "
+        "boundaries: nanoGPT .bin (raw uint16), llm.c/modded-nanogpt .bin (256-int32 header) "
+        "and Megatron-LM indexed datasets (.bin + .idx). See docs/FORMAT.md.",
+    )
+    p.add_argument("inputs", nargs="+", type=Path, help=".bin files (read as one stream, in order)")
+    p.add_argument(
+        "--format", choices=FORMATS, default="auto", help="input format (default: from the header)"
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="the tokenizer.json the ids come from (copied into the dataset, sets the vocabulary)",
+    )
+    p.add_argument(
+        "--vocab-size", type=int, default=None, help="vocabulary size when no --tokenizer is given"
+    )
+    p.add_argument(
+        "--eot-id",
+        type=int,
+        default=None,
+        help="the id that delimits documents (default: the llm.c header's model, or the "
+        "tokenizer's end-of-text token)",
+    )
+    p.add_argument(
+        "--split",
+        choices=["auto", "after", "before"],
+        default="auto",
+        help="documents end with the id (after: nanoGPT) or start with it (before: llm.c); "
+        "Megatron datasets carry their own boundaries",
+    )
+    _add_output_args(p)
+    args = p.parse_args(argv)
+    from pytrain.inputs import InputError
+    from pytrain.pretokenized import import_dataset
+    from pytrain.shards import DatasetExistsError
+    from pytrain.tokenizer import TokenizerError
+
+    try:
+        r = import_dataset(
+            args.inputs, args.output, fmt=args.format, tokenizer=args.tokenizer,
+            vocab_size=args.vocab_size, eot=args.eot_id, split=args.split, dtype=args.dtype,
+            frame_mib=args.frame_mib, shard_mib=args.shard_mib, zstd_level=args.zstd_level,
+            overwrite=args.overwrite, say=_say,
+        )  # fmt: skip
+    except DatasetExistsError as e:
+        print(f"pack-shards import: {e}", file=sys.stderr)
+        return EXIT_EXISTS
+    except (InputError, TokenizerError, ValueError, OSError) as e:
+        print(f"pack-shards import: error: {e}", file=sys.stderr)
+        print("pack-shards import: nothing was written to the output directory", file=sys.stderr)
+        return EXIT_INPUT
+    print(
+        f"imported {r.documents:,} documents, {r.tokens:,} tokens into {len(r.shards)} shard(s), "
+        f"{sum(s['bytes'] for s in r.shards) / 1e6:,.1f} MB on disk -> {args.output}"
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "import":
+        return import_main(argv[1:])
     if argv and argv[0] == "verify":
         return verify_main(argv[1:])
     if argv and argv[0] == "inspect":

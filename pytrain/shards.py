@@ -1,27 +1,43 @@
 """Packing documents into a token-shard dataset (see docs/FORMAT.md), and checking one.
 
 The Rust `ShardWriter` compresses and indexes; this module reads inputs, tokenizes in
-batches with `encode_batch` (parallel in Rust, GIL released), rotates shards, writes the
-manifest, and makes the whole dataset appear atomically."""
+batches with `encode_batch_fast` (parallel in Rust, GIL released), rotates shards, writes the
+manifest, and makes the whole dataset appear atomically. Reading, encoding and writing
+overlap (see `encoded_batches`), so packing runs at the tokenizer's own speed."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import queue
 import shutil
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from pytrain import _loader
-from pytrain.inputs import ReadOptions, expand, read_documents
-from pytrain.tokenizer import TokenizerError, TokenizerInfo, describe, load_tokenizer
+from pytrain.inputs import BadInputs, ReadOptions, expand, read_documents
+from pytrain.tokenizer import (
+    EOS_CANDIDATES,
+    TokenizerError,
+    TokenizerInfo,
+    describe,
+    for_packing,
+    load_tokenizer,
+)
 
 FORMAT = "pytrain-token-shards"
 MANIFEST = "manifest.json"
+ENCODES_IN_FLIGHT = 2
+"""Tokenizer calls running at once (each parallel over its documents in the tokenizer's
+thread pool); two keep the cores busy while one call finishes its longest document."""
 
 
 class DatasetExistsError(FileExistsError):
@@ -38,10 +54,16 @@ class PackOptions:
     txt_per_line: bool = False
     append_eos: bool = True
     prepend_bos: bool = False
+    eos_token: str | None = None
+    """Token string or id ending every document (None: the tokenizer's, found by name)."""
+    bos_token: str | None = None
     frame_mib: float = 2.0
     shard_mib: float = 256.0
     zstd_level: int = 3
     batch_docs: int = 512
+    batch_mib: float = 2.0
+    """A batch to the tokenizer closes at batch_docs documents or this much text."""
+    on_bad_input: str = "stop"
 
 
 @dataclass
@@ -52,6 +74,7 @@ class PackReport:
     input_bytes: int = 0
     shards: list[dict] = field(default_factory=list)
     seconds: float = 0.0
+    bad: BadInputs | None = None
 
 
 def choose_dtype(info: TokenizerInfo, requested: str) -> str:
@@ -67,20 +90,68 @@ def choose_dtype(info: TokenizerInfo, requested: str) -> str:
     return requested
 
 
-def iter_documents(inputs: list[str], opts: ReadOptions) -> Iterator[tuple[str, str]]:
+def iter_documents(
+    inputs: list[str], opts: ReadOptions, bad: BadInputs | None = None
+) -> Iterator[tuple[str, str]]:
+    """Every document of every input, in order. With `bad` in skip mode, a bad document
+    (or the unreadable rest of a file) is recorded there and left out."""
     for path in expand(inputs):
-        yield from read_documents(path, opts)
+        yield from read_documents(path, opts, bad)
 
 
-def _batches(docs: Iterable[tuple[str, str]], n: int) -> Iterator[list[tuple[str, str]]]:
+def _batches(
+    docs: Iterable[tuple[str, str]], n: int, max_chars: int
+) -> Iterator[list[tuple[str, str]]]:
     batch: list[tuple[str, str]] = []
+    chars = 0
     for d in docs:
         batch.append(d)
-        if len(batch) == n:
+        chars += len(d[1])
+        if len(batch) == n or chars >= max_chars:
             yield batch
-            batch = []
+            batch, chars = [], 0
     if batch:
         yield batch
+
+
+def in_thread(items: Iterable, depth: int) -> Iterator:
+    """`items`, produced on a background thread up to `depth` ahead (for reading and
+    parsing while the tokenizer runs). Its exceptions reach the consumer; closing the
+    consumer stops the thread."""
+    q: queue.Queue = queue.Queue(depth)
+    stop = threading.Event()
+
+    def put(msg) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(msg, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def run():
+        try:
+            for x in items:
+                if not put(("item", x)):
+                    return
+            put(("done", None))
+        except BaseException as e:  # handed to the consumer, raised there
+            put(("error", e))
+
+    t = threading.Thread(target=run, name="pack-read", daemon=True)
+    t.start()
+    try:
+        while True:
+            kind, x = q.get()
+            if kind == "done":
+                return
+            if kind == "error":
+                raise x
+            yield x
+    finally:
+        stop.set()
+        t.join()
 
 
 @dataclass
@@ -115,19 +186,88 @@ def pack(
     *,
     overwrite: bool = False,
     progress: Callable[[PackReport], None] | None = None,
+    say: Callable[[str], None] | None = None,
+    bad: BadInputs | None = None,
 ) -> PackReport:
-    """Tokenizes `docs` ((location, text) pairs) and writes a dataset at `out_dir`, atomically."""
-    tok, tok_name = load_tokenizer(opts.tokenizer)
-    info = describe(tok, tok_name)
+    """Tokenizes `docs` ((location, text) pairs) and writes a dataset at `out_dir`, atomically.
+    `say` hears which end/begin tokens were chosen and which file settings were switched
+    off; `bad` is the record of skipped inputs `docs` was read with (for the manifest)."""
+    tok, info = packing_tokenizer(opts)
+    if say:
+        for line in tokenizer_choices(info, opts):
+            say(line)
     dtype = choose_dtype(info, opts.dtype)
-    if opts.append_eos and info.eos_id is None:
-        raise TokenizerError(f"tokenizer {tok_name} has no end-of-text token; pass --no-eos")
-    if opts.prepend_bos and info.bos_id is None:
-        raise TokenizerError(f"tokenizer {tok_name} has no begin-of-text token; drop --bos")
-    batches = (_encode(tok, b, info, opts) for b in _batches(docs, opts.batch_docs))
+    batches = encoded_batches(tok, docs, info, opts)
     return write_dataset(
-        batches, out_dir, info, dtype, opts, overwrite=overwrite, progress=progress, tokenizer=tok
+        batches, out_dir, info, dtype, opts, overwrite=overwrite, progress=progress,
+        tokenizer=tok, bad=bad,
+    )  # fmt: skip
+
+
+def packing_tokenizer(opts: PackOptions):
+    """The tokenizer with truncation and padding off, and what the manifest says of it."""
+    tok, tok_name = load_tokenizer(opts.tokenizer)
+    switched_off = for_packing(tok)
+    info = describe(
+        tok,
+        tok_name,
+        eos=opts.eos_token,
+        bos=opts.bos_token,
+        switched_off=switched_off,
     )
+    if opts.append_eos and info.eos_id is None:
+        raise TokenizerError(
+            f"tokenizer {tok_name} has no end-of-text token (none of "
+            f"{', '.join(EOS_CANDIDATES)}); name one with --eos-token TOKEN_OR_ID, "
+            "or pass --no-eos to pack documents without one"
+        )
+    if opts.prepend_bos and info.bos_id is None:
+        raise TokenizerError(
+            f"tokenizer {tok_name} has no begin-of-text token; name one with "
+            "--bos-token TOKEN_OR_ID, or drop --bos"
+        )
+    return tok, info
+
+
+def tokenizer_choices(info: TokenizerInfo, opts: PackOptions) -> list[str]:
+    """What pack-shards prints before packing: the tokens it adds and the settings it overrides."""
+    lines = []
+    if opts.append_eos:
+        how = info.chosen.get("eos", "")
+        lines.append(f"end of every document: {info.eos_token!r} (id {info.eos_id}, {how})")
+    else:
+        lines.append("end of every document: no token (--no-eos)")
+    if opts.prepend_bos:
+        how = info.chosen.get("bos", "")
+        lines.append(f"start of every document: {info.bos_token!r} (id {info.bos_id}, {how})")
+    for key, was in info.switched_off.items():
+        lines.append(
+            f"tokenizer file sets {key} {json.dumps(was)}: switched off for packing "
+            "(every token of every document is kept)"
+        )
+    return lines
+
+
+def encoded_batches(
+    tok, docs: Iterable[tuple[str, str]], info: TokenizerInfo, opts: PackOptions
+) -> Iterator[TokenBatch]:
+    """The documents as token batches, in input order. Reading and batching run on a
+    thread, two `encode_batch_fast` calls are in flight (they release the GIL and share
+    the tokenizer's thread pool, so the long last document of one batch does not leave the
+    other cores idle), and the caller compresses and writes (also without the GIL)."""
+    text_batches = _batches(docs, opts.batch_docs, int(opts.batch_mib * (1 << 20)))
+    pending: deque = deque()
+    with ThreadPoolExecutor(ENCODES_IN_FLIGHT, thread_name_prefix="pack-encode") as pool:
+        try:
+            for b in in_thread(text_batches, depth=4):
+                pending.append(pool.submit(_encode, tok, b, info, opts))
+                if len(pending) == ENCODES_IN_FLIGHT:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for f in pending:
+                f.cancel()
 
 
 def write_dataset(
@@ -140,6 +280,7 @@ def write_dataset(
     overwrite: bool = False,
     progress: Callable[[PackReport], None] | None = None,
     tokenizer=None,
+    bad: BadInputs | None = None,
 ) -> PackReport:
     """Writes already tokenized batches as a dataset: into a temporary sibling directory,
     renamed into place only once shards, tokenizer and manifest are complete and synced."""
@@ -152,6 +293,7 @@ def write_dataset(
     tmp.mkdir()
     try:
         report = _write_shards(batches, tmp, dtype, opts, progress)
+        report.bad = bad
         if tokenizer is not None:
             tokenizer.save(str(tmp / "tokenizer.json"))
         _write_manifest(tmp, info, dtype, opts, report)
@@ -210,15 +352,23 @@ def _write_shards(
 def _encode(
     tok, batch: list[tuple[str, str]], info: TokenizerInfo, opts: PackOptions
 ) -> TokenBatch:
-    """Tokenizes a batch; empty documents are skipped and counted."""
+    """Tokenizes a batch (no special tokens from the file's template), adds the end/begin
+    tokens; documents with no tokens are skipped and counted."""
     texts = [t for _, t in batch if t]
-    encodings = tok.encode_batch_fast(texts, add_special_tokens=False)
-    prefix = [info.bos_id] if opts.prepend_bos else []
-    suffix = [info.eos_id] if opts.append_eos else []
-    seqs = [np.asarray(prefix + e.ids + suffix, dtype=np.uint32) for e in encodings]
-    return TokenBatch.of(
-        seqs,
-        skipped_empty=len(batch) - len(texts),
+    ids = [e.ids for e in tok.encode_batch_fast(texts, add_special_tokens=False)]
+    ids = [i for i in ids if i]
+    lens = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.uint32, count=int(lens.sum()))
+    if opts.append_eos:
+        flat = np.insert(flat, np.cumsum(lens), np.uint32(info.eos_id))
+        lens += 1
+    if opts.prepend_bos:
+        flat = np.insert(flat, np.cumsum(lens) - lens, np.uint32(info.bos_id))
+        lens += 1
+    return TokenBatch(
+        ids=flat,
+        lengths=lens.astype(np.uint32),
+        skipped_empty=len(batch) - len(ids),
         input_bytes=sum(len(t.encode("utf-8")) for _, t in batch),
         where=f"{batch[0][0]}..{batch[-1][0]}",
     )
@@ -245,6 +395,8 @@ def _write_manifest(tmp: Path, info: TokenizerInfo, dtype: str, opts: PackOption
         "args": asdict(opts),
         "created_by": "pytrain pack-shards",
     }
+    if r.bad is not None:
+        manifest["bad_input"] = r.bad.to_json()
     path = tmp / MANIFEST
     with open(path, "w") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)

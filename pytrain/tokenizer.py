@@ -1,11 +1,19 @@
 """Tokenizers for pack-shards and the trainer: a Hugging Face `tokenizer.json`, the
-built-in byte-level tokenizer (no file needed), or a small BPE trained on the spot."""
+built-in byte-level tokenizer (no file needed), or a small BPE trained on the spot.
+
+Packing needs every token of every document, whatever the file says: `for_packing`
+switches off the truncation and padding a tokenizer.json may carry (many in the wild are
+saved from an embedding model with `max_length` 128 and fixed padding), and documents are
+encoded with `add_special_tokens=False`, so a post-processor's template ([CLS] ... [SEP],
+<s> ...) adds nothing. The end- and begin-of-document tokens are chosen here, once, and
+recorded in the manifest."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -19,15 +27,48 @@ class TokenizerError(ValueError):
     """The tokenizer cannot be loaded or lacks what packing needs."""
 
 
+# Names of end- and begin-of-document tokens across model families, most specific first:
+# GPT-2/Qwen/OLMo, Llama 3, Llama 2/Mistral/T5, Gemma, DeepSeek; BERT's [SEP]/[CLS] last
+# (a guess for a vocabulary made for classification, printed as one).
+EOS_CANDIDATES = (
+    EOS, "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "<\uff5cend\u2581of\u2581sentence\uff5c>", "[SEP]",
+)  # fmt: skip
+BOS_CANDIDATES = (
+    BOS, "<|begin_of_text|>", "<s>", "<bos>", "<\uff5cbegin\u2581of\u2581sentence\uff5c>", "[CLS]",
+)  # fmt: skip
+GUESSES = ("[SEP]", "[CLS]")
+
+
+@dataclass(frozen=True)
+class SpecialToken:
+    """An end- or begin-of-document token and how it was chosen."""
+
+    id: int
+    token: str | None
+    chosen: str
+    """"automatic", "automatic guess" (a BERT-style [SEP]/[CLS]) or the flag that named it."""
+
+    def describe(self, what: str) -> str:
+        name = repr(self.token) if self.token is not None else "(no token string)"
+        return f"{what} token {name} (id {self.id}), {self.chosen}"
+
+
 @dataclass(frozen=True)
 class TokenizerInfo:
     """What the manifest records about a tokenizer."""
 
     name: str
-    sha256: str
+    sha256: str | None
+    """Of the tokenizer's settings as packing uses them; None for imported ids without one."""
     vocab_size: int
     eos_id: int | None
     bos_id: int | None
+    eos_token: str | None = None
+    bos_token: str | None = None
+    chosen: dict = field(default_factory=dict)
+    """How eos and bos were chosen ({"eos": "automatic", "bos": "--bos-token"})."""
+    switched_off: dict = field(default_factory=dict)
+    """The file's truncation and padding settings, switched off for packing (None: unset)."""
 
     def to_json(self) -> dict:
         return {
@@ -36,8 +77,32 @@ class TokenizerInfo:
             "vocab_size": self.vocab_size,
             "eos_id": self.eos_id,
             "bos_id": self.bos_id,
+            "eos_token": self.eos_token,
+            "bos_token": self.bos_token,
+            "chosen": self.chosen,
+            "packing": {
+                "truncation": "off",
+                "padding": "off",
+                "add_special_tokens": False,
+                "file_settings_switched_off": self.switched_off,
+            },
             "file": "tokenizer.json",
         }
+
+    @classmethod
+    def from_manifest(cls, t: dict) -> TokenizerInfo:
+        """The `tokenizer` table of a manifest (older manifests lack the newer keys)."""
+        return cls(
+            name=t["name"],
+            sha256=t.get("sha256", "0" * 64),
+            vocab_size=int(t["vocab_size"]),
+            eos_id=t.get("eos_id"),
+            bos_id=t.get("bos_id"),
+            eos_token=t.get("eos_token"),
+            bos_token=t.get("bos_token"),
+            chosen=t.get("chosen", {}),
+            switched_off=t.get("packing", {}).get("file_settings_switched_off", {}),
+        )
 
 
 def byte_tokenizer() -> Tokenizer:
@@ -101,21 +166,64 @@ def load_tokenizer(spec: str | Path) -> tuple[Tokenizer, str]:
         raise TokenizerError(f"{path}: not a valid Hugging Face tokenizer.json: {e}") from e
 
 
-def describe(tok: Tokenizer, name: str) -> TokenizerInfo:
-    """Identity of a tokenizer: content hash, vocabulary size, special token ids."""
+def for_packing(tok: Tokenizer) -> dict:
+    """Switches off truncation and padding (packing keeps every token of a document);
+    returns what the file had set, for the manifest."""
+    cfg = json.loads(tok.to_str())
+    was = {k: cfg.get(k) for k in ("truncation", "padding") if cfg.get(k) is not None}
+    tok.no_truncation()
+    tok.no_padding()
+    return was
+
+
+def describe(
+    tok: Tokenizer,
+    name: str,
+    *,
+    eos: str | None = None,
+    bos: str | None = None,
+    switched_off: dict | None = None,
+) -> TokenizerInfo:
+    """Identity of a tokenizer: content hash (of the settings packing uses), vocabulary
+    size, and the end/begin-of-document tokens: `eos`/`bos` (a token or an id, from
+    --eos-token/--bos-token) or the first of the known names the vocabulary has."""
     blob = tok.to_str().encode()
+    e = choose_special(tok, eos, EOS_CANDIDATES, "--eos-token")
+    b = choose_special(tok, bos, BOS_CANDIDATES, "--bos-token")
     return TokenizerInfo(
         name=name,
         sha256=hashlib.sha256(blob).hexdigest(),
         vocab_size=tok.get_vocab_size(with_added_tokens=True),
-        eos_id=_special_id(tok, (EOS, "</s>", "<eos>", "[SEP]")),
-        bos_id=_special_id(tok, (BOS, "<s>", "<bos>", "[CLS]")),
+        eos_id=e.id if e else None,
+        bos_id=b.id if b else None,
+        eos_token=e.token if e else None,
+        bos_token=b.token if b else None,
+        chosen={k: v.chosen for k, v in (("eos", e), ("bos", b)) if v is not None},
+        switched_off=switched_off or {},
     )
 
 
-def _special_id(tok: Tokenizer, candidates: tuple[str, ...]) -> int | None:
+def choose_special(
+    tok: Tokenizer, spec: str | None, candidates: tuple[str, ...], flag: str
+) -> SpecialToken | None:
+    """The token `spec` names (a token string, or a decimal id), else the first candidate
+    in the vocabulary, else None. A `spec` the vocabulary lacks is an error naming `flag`."""
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    if spec is not None:
+        if spec.isdigit():
+            i = int(spec)
+            if i >= vocab:
+                raise TokenizerError(f"{flag} {spec}: id outside the vocabulary (size {vocab})")
+            return SpecialToken(i, tok.id_to_token(i), f"set by {flag}")
+        i = tok.token_to_id(spec)
+        if i is None:
+            raise TokenizerError(
+                f"{flag} {spec!r}: no such token in the tokenizer (give a token string or an id)"
+            )
+        return SpecialToken(i, spec, f"set by {flag}")
     for c in candidates:
         i = tok.token_to_id(c)
         if i is not None:
-            return i
+            how = "automatic guess" if c in GUESSES else "automatic"
+            return SpecialToken(i, c, f"{how}; choose another with {flag}")
     return None

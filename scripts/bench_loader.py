@@ -99,11 +99,7 @@ def recompress(src: Path, dst: Path, level: int) -> None:
     from pytrain.tokenizer import TokenizerInfo
 
     m = json.loads((src / "manifest.json").read_text())
-    t = m["tokenizer"]
-    info = TokenizerInfo(
-        name=t["name"], sha256=t.get("sha256", "0" * 64), vocab_size=t["vocab_size"],
-        eos_id=t.get("eos_id"), bos_id=t.get("bos_id"),
-    )  # fmt: skip
+    info = TokenizerInfo.from_manifest(m["tokenizer"])
     batches = document_batches(read_all_documents(src))
     write_dataset(batches, dst, info, m["dtype"], PackOptions(zstd_level=level))
 
