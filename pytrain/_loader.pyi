@@ -27,6 +27,14 @@ class ShardWriter:
     def finish(self) -> dict[str, Any]:
         """Writes index and footer; returns documents, tokens, frames, bytes, xxh3_64."""
 
+class Encoder:
+    def __init__(
+        self, tokenizer_json: str, eos: int | None = None, bos: int | None = None
+    ) -> None: ...
+    def encode(self, texts: list[str]) -> tuple[bytes, bytes, int]:
+        """(ids, lengths, empty): little-endian uint32 ids back to back (with eos/bos),
+        their lengths, and how many texts encoded to no tokens (left out)."""
+
 class Dataset:
     def __init__(self, path: str) -> None: ...
     @property

@@ -7,7 +7,6 @@ overlap (see `encoded_batches`), so packing runs at the tokenizer's own speed.""
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import queue
@@ -35,9 +34,12 @@ from pytrain.tokenizer import (
 
 FORMAT = "pytrain-token-shards"
 MANIFEST = "manifest.json"
-ENCODES_IN_FLIGHT = 2
+ENCODES_IN_FLIGHT = max(2, min(8, (os.cpu_count() or 2) // 2))
 """Tokenizer calls running at once (each parallel over its documents in the tokenizer's
-thread pool); two keep the cores busy while one call finishes its longest document."""
+thread pool), so other batches keep the cores busy while one call finishes its longest
+document. Measured on 16 cores (BENCHMARKS.md): 2 in flight ran at 0.75x of a bare
+`encode_batch_fast`, 8 at 0.9-1.1x. Memory grows with it: about 8 x batch_mib of text
+and its encodings."""
 
 
 class DatasetExistsError(FileExistsError):
@@ -252,15 +254,18 @@ def encoded_batches(
     tok, docs: Iterable[tuple[str, str]], info: TokenizerInfo, opts: PackOptions
 ) -> Iterator[TokenBatch]:
     """The documents as token batches, in input order. Reading and batching run on a
-    thread, two `encode_batch_fast` calls are in flight (they release the GIL and share
-    the tokenizer's thread pool, so the long last document of one batch does not leave the
-    other cores idle), and the caller compresses and writes (also without the GIL)."""
+    thread; two encode calls are in flight (they release the GIL and share the tokenizer's
+    thread pool, so the long last document of one batch does not leave the other cores
+    idle); the caller compresses and writes (also without the GIL). Encoding runs in the
+    extension (`_loader.Encoder`, the tokenizers crate on the same tokenizer.json), so no
+    Python object is made per token."""
+    encode = _encoder(tok, info, opts)
     text_batches = _batches(docs, opts.batch_docs, int(opts.batch_mib * (1 << 20)))
     pending: deque = deque()
     with ThreadPoolExecutor(ENCODES_IN_FLIGHT, thread_name_prefix="pack-encode") as pool:
         try:
             for b in in_thread(text_batches, depth=4):
-                pending.append(pool.submit(_encode, tok, b, info, opts))
+                pending.append(pool.submit(encode, b))
                 if len(pending) == ENCODES_IN_FLIGHT:
                     yield pending.popleft().result()
             while pending:
@@ -268,6 +273,31 @@ def encoded_batches(
         finally:
             for f in pending:
                 f.cancel()
+
+
+def _encoder(tok, info: TokenizerInfo, opts: PackOptions) -> Callable[[list], TokenBatch]:
+    eos = info.eos_id if opts.append_eos else None
+    bos = info.bos_id if opts.prepend_bos else None
+    try:
+        encoder = _loader.Encoder(tok.to_str(), eos, bos)
+    except ValueError as e:  # a tokenizer.json newer than the tokenizers crate built in
+        raise TokenizerError(
+            f"{info.name}: the tokenizers library built into pytrain cannot read it ({e}); "
+            "re-save it with the tokenizers version pytrain installs"
+        ) from e
+
+    def encode(batch: list[tuple[str, str]]) -> TokenBatch:
+        texts = [t for _, t in batch if t]
+        ids, lengths, empty = encoder.encode(texts)
+        return TokenBatch(
+            ids=np.frombuffer(ids, dtype="<u4"),
+            lengths=np.frombuffer(lengths, dtype="<u4"),
+            skipped_empty=len(batch) - len(texts) + empty,
+            input_bytes=sum(len(t.encode("utf-8")) for t in texts),
+            where=f"{batch[0][0]}..{batch[-1][0]}",
+        )
+
+    return encode
 
 
 def write_dataset(
@@ -347,31 +377,6 @@ def _write_shards(
     if not report.shards:
         raise ValueError("no non-empty documents in the input")
     return report
-
-
-def _encode(
-    tok, batch: list[tuple[str, str]], info: TokenizerInfo, opts: PackOptions
-) -> TokenBatch:
-    """Tokenizes a batch (no special tokens from the file's template), adds the end/begin
-    tokens; documents with no tokens are skipped and counted."""
-    texts = [t for _, t in batch if t]
-    ids = [e.ids for e in tok.encode_batch_fast(texts, add_special_tokens=False)]
-    ids = [i for i in ids if i]
-    lens = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.uint32, count=int(lens.sum()))
-    if opts.append_eos:
-        flat = np.insert(flat, np.cumsum(lens), np.uint32(info.eos_id))
-        lens += 1
-    if opts.prepend_bos:
-        flat = np.insert(flat, np.cumsum(lens) - lens, np.uint32(info.bos_id))
-        lens += 1
-    return TokenBatch(
-        ids=flat,
-        lengths=lens.astype(np.uint32),
-        skipped_empty=len(batch) - len(ids),
-        input_bytes=sum(len(t.encode("utf-8")) for _, t in batch),
-        where=f"{batch[0][0]}..{batch[-1][0]}",
-    )
 
 
 def _write_manifest(tmp: Path, info: TokenizerInfo, dtype: str, opts: PackOptions, r: PackReport):

@@ -4,6 +4,8 @@
 //! feature adds the PyO3 bindings that maturin builds as `pytrain._loader`.
 pub mod block;
 pub mod dataset;
+#[cfg(feature = "encode")]
+pub mod encode;
 pub mod error;
 pub mod format;
 pub mod loader;

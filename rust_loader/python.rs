@@ -501,11 +501,49 @@ fn write_synthetic(
     run(py, || crate::synthetic::write_synthetic(&path, &spec))
 }
 
+/// pack-shards' tokenizer: encodes batches of documents without the GIL and hands the
+/// ids back as little-endian uint32 bytes (no Python object per token).
+#[pyclass(name = "Encoder", module = "pytrain._loader", frozen)]
+struct PyEncoder {
+    inner: crate::encode::Encoder,
+}
+
+#[pymethods]
+impl PyEncoder {
+    #[new]
+    #[pyo3(signature = (tokenizer_json, eos=None, bos=None))]
+    fn new(tokenizer_json: &str, eos: Option<u32>, bos: Option<u32>) -> PyResult<Self> {
+        let inner = crate::encode::Encoder::new(tokenizer_json, eos, bos).map_err(to_py)?;
+        Ok(PyEncoder { inner })
+    }
+
+    /// Returns (ids, lengths, empty): ids and lengths as little-endian uint32 bytes, and
+    /// the number of texts that encoded to no tokens (left out).
+    fn encode<'py>(
+        &self,
+        py: Python<'py>,
+        texts: Vec<String>,
+    ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>, usize)> {
+        let e = run(py, || self.inner.encode(texts))?;
+        Ok((le_bytes(py, &e.ids)?, le_bytes(py, &e.lengths)?, e.empty))
+    }
+}
+
+fn le_bytes<'py>(py: Python<'py>, v: &[u32]) -> PyResult<Bound<'py, PyBytes>> {
+    PyBytes::new_with(py, v.len() * 4, |buf| {
+        for (dst, x) in buf.chunks_exact_mut(4).zip(v) {
+            dst.copy_from_slice(&x.to_le_bytes());
+        }
+        Ok(())
+    })
+}
+
 #[pymodule]
 #[pyo3(name = "_loader")]
 fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_class::<PyShardWriter>()?;
+    m.add_class::<PyEncoder>()?;
     m.add_class::<PyDataset>()?;
     m.add_class::<PyLoader>()?;
     m.add_function(wrap_pyfunction!(write_synthetic, m)?)?;
