@@ -44,11 +44,13 @@ bench: setup ## criterion benches + pack-shards and loader benchmarks (print fig
 	$(PY) scripts/bench_pack.py
 	$(PY) scripts/bench_loader.py
 
-lint: setup ## cargo fmt --check, clippy -D warnings, ruff
+lint: setup ## cargo fmt --check, clippy -D warnings, ruff, mypy, stubtest of the extension
 	cargo fmt --check
 	cargo clippy --all-targets --features python -- -D warnings
 	$(VENV)/bin/ruff check pytrain tests scripts
 	$(VENV)/bin/ruff format --check pytrain tests scripts
+	$(PY) -m mypy
+	$(PY) -m mypy.stubtest pytrain._loader
 
 fmt: setup ## format Rust and Python
 	cargo fmt

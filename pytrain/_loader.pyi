@@ -1,6 +1,13 @@
 """Type stubs for the Rust extension `pytrain._loader` (built by maturin from rust_loader/)."""
 
-from typing import Any
+from typing import Any, final
+
+from typing_extensions import Self
+
+__all__ = [
+    "FORMAT_VERSION", "LoaderError", "CorruptShardError", "ManifestError", "StateError",
+    "ShardWriter", "Encoder", "Dataset", "Loader", "write_synthetic",
+]  # fmt: skip
 
 FORMAT_VERSION: int
 
@@ -16,8 +23,9 @@ class ManifestError(LoaderError):
 class StateError(LoaderError):
     """A saved loader state does not fit this dataset or configuration."""
 
+@final
 class ShardWriter:
-    def __init__(self, path: str, dtype: str, frame_bytes: int = ..., level: int = ...) -> None: ...
+    def __new__(cls, path: str, dtype: str, frame_bytes: int = ..., level: int = ...) -> Self: ...
     def add_documents(self, tokens: bytes, lengths: bytes) -> None:
         """tokens: little-endian uint32 ids of all documents back to back; lengths: uint32."""
     @property
@@ -27,16 +35,18 @@ class ShardWriter:
     def finish(self) -> dict[str, Any]:
         """Writes index and footer; returns documents, tokens, frames, bytes, xxh3_64."""
 
+@final
 class Encoder:
-    def __init__(
-        self, tokenizer_json: str, eos: int | None = None, bos: int | None = None
-    ) -> None: ...
+    def __new__(
+        cls, tokenizer_json: str, eos: int | None = None, bos: int | None = None
+    ) -> Self: ...
     def encode(self, texts: list[str]) -> tuple[bytes, bytes, int]:
         """(ids, lengths, empty): little-endian uint32 ids back to back (with eos/bos),
         their lengths, and how many texts encoded to no tokens (left out)."""
 
+@final
 class Dataset:
-    def __init__(self, path: str) -> None: ...
+    def __new__(cls, path: str) -> Self: ...
     @property
     def n_docs(self) -> int: ...
     @property
@@ -54,9 +64,10 @@ class Dataset:
     def read_frame(self, frame: int) -> tuple[bytes, list[int]]:
         """Decoded tokens (dataset dtype, little-endian) and document lengths of a frame."""
 
+@final
 class Loader:
-    def __init__(
-        self,
+    def __new__(
+        cls,
         dataset: Dataset,
         slots: list[tuple[Any, Any]],
         *,
@@ -76,7 +87,7 @@ class Loader:
         prefetch_blocks: int,
         skip_corrupt: bool = ...,
         state: dict[str, Any] | None = None,
-    ) -> None: ...
+    ) -> Self: ...
     def next(self) -> tuple[int, int, int, int, int, int, int] | None:
         """(slot, rows, width, epoch, doc_tokens, pad_tokens, pieces), or None after the
         last epoch. Slots are (tokens, doc_ids) CPU tensors: tokens of the dataset's width

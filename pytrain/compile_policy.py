@@ -145,7 +145,7 @@ def set_inductor_options(spec: str) -> list[str]:
         if not sep:
             raise ValueError(f"compile.inductor: {item!r} is not name=value")
         *path, leaf = name.strip().split(".")
-        owner = inductor_config
+        owner: object = inductor_config
         for part in path:
             owner = getattr(owner, part, None)
         try:
@@ -176,7 +176,7 @@ def ensure_graph_room(graphs: int) -> None:
 def compile_model(model: torch.nn.Module, mode: str) -> torch.nn.Module:
     if mode == "eager":
         return model
-    return torch.compile(model, mode=mode, dynamic=False)
+    return torch.compile(model, mode=mode, dynamic=False)  # type: ignore[return-value]
 
 
 def save_cache_artifacts(path) -> bool:

@@ -20,7 +20,7 @@ from pathlib import Path
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
-    import tomli as tomllib
+    import tomli as tomllib  # type: ignore[import-not-found,no-redef,unused-ignore]
 
 from pytrain.model_config import ModelConfig
 
@@ -191,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for key, f, t in _flatten(TrainConfig):
         base, extra = _base_type(t)
-        doc = (f.metadata or {}).get("help", "")
+        doc = str(f.metadata.get("help", "")) if f.metadata else ""
         kw: dict = {"dest": key, "default": argparse.SUPPRESS, "help": doc or " "}
         if base is bool:
             names = [f"--{key}"] + [f"--{a}" for a, k in ALIASES.items() if k == key]

@@ -383,7 +383,7 @@ class TokenLoader:
     # ---- slot life ----------------------------------------------------------------------
     def _release(self, hb: HostBatch) -> None:
         # A batch of an earlier start has its own slot memory and its threads are gone.
-        if hb._inner is self._inner:
+        if self._inner is not None and hb._inner is self._inner:
             self._held.discard(hb._slot)
             self._inner.release(hb._slot)
 
@@ -410,7 +410,7 @@ class TokenLoader:
     # ---- state ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Where the next batch starts: a few integers plus dataset/config fingerprints."""
-        return dict(self._inner.state())
+        return dict(self._running().state())
 
     def load_state_dict(self, state: dict) -> None:
         """Restarts so the next batch is the one after `state` was saved. Raises
@@ -420,10 +420,15 @@ class TokenLoader:
 
     @property
     def epoch(self) -> int:
-        return int(self._inner.state()["epoch"])
+        return int(self._running().state()["epoch"])
 
     def stats(self) -> dict:
-        return dict(self._inner.stats())
+        return dict(self._running().stats())
+
+    def _running(self) -> _loader.Loader:
+        if self._inner is None:  # only between stopping old threads and starting new ones
+            raise RuntimeError("the loader is not running")
+        return self._inner
 
     @property
     def n_tokens(self) -> int:

@@ -62,7 +62,7 @@ def wrap(
     if fsdp:
         from torch.distributed.fsdp import fully_shard
 
-        for block in model.gpt.blocks:
+        for block in model.gpt.blocks:  # type: ignore[union-attr]
             fully_shard(block)
         fully_shard(model)
         return model
@@ -76,9 +76,9 @@ def no_sync(model: torch.nn.Module, last_micro_step: bool):
     if last_micro_step:
         return nullcontext()
     if hasattr(model, "no_sync"):  # DDP
-        return model.no_sync()
+        return model.no_sync()  # type: ignore[operator]
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        model.set_requires_gradient_sync(False)
+        model.set_requires_gradient_sync(False)  # type: ignore[operator]
         return _ResyncAfter(model)
     return nullcontext()
 

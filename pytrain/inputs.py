@@ -103,8 +103,10 @@ def expand(inputs: list[str]) -> list[Path]:
             if not found:
                 raise InputError(f"{spec}: no such file, directory, or matching glob")
         out.extend(found)
-    seen: set[Path] = set()
-    return [f for f in out if not (f.resolve() in seen or seen.add(f.resolve()))]
+    unique: dict[Path, Path] = {}
+    for f in out:
+        unique.setdefault(f.resolve(), f)
+    return list(unique.values())
 
 
 def _supported(p: Path) -> bool:
@@ -135,7 +137,7 @@ def read_documents(
 
 def _open_binary(path: Path) -> io.BufferedIOBase:
     if path.name.endswith(".gz"):
-        return gzip.open(path, "rb")  # type: ignore[return-value]
+        return gzip.open(path, "rb")
     if path.name.endswith(".zst"):
         import zstandard  # only .zst inputs need it
 

@@ -227,7 +227,7 @@ class MasterAdamW:
         """Adds the parameters' gradients (one micro-batch's) into the fp32 buffer and
         drops them, so the next micro-batch's backward starts from none."""
         first = self.flat_grad is None
-        if first:
+        if self.flat_grad is None:
             self.flat_grad = torch.empty_like(self.master)
         if self.use_triton:
             self._launch_accumulate(self._grads(), first)

@@ -7,7 +7,9 @@ the GPU (table below); MFU is not reported where the peak is unknown (e.g. CPU).
 
 from __future__ import annotations
 
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -48,7 +50,8 @@ class RunLog:
 
                 self.tb = SummaryWriter(log_dir=str(run_dir / "tb"))
 
-    def scalars(self, step: int, values: dict[str, float]) -> None:
+    def scalars(self, step: int, values: dict[str, float | None]) -> None:
+        """Logs every value that is not None (a figure this run cannot measure)."""
         if self.tb is not None:
             for k, v in values.items():
                 if v is not None:
@@ -83,3 +86,80 @@ def loader_cpu_seconds() -> float | None:
     except OSError:
         return None
     return total
+
+
+class StepLog:
+    """What the loop writes per step and per evaluation: TensorBoard scalars, a text line
+    every `log_every` steps (and the first), the progress bar, and console lines for
+    evaluations and skipped steps."""
+
+    def __init__(
+        self,
+        log: RunLog,
+        say: Callable[[str], None],
+        *,
+        flops_token: float,
+        peak: float | None,
+        world_size: int,
+        log_every: int,
+        progress: bool,
+        device: torch.device,
+    ):
+        self.log, self.say = log, say
+        self.flops_token, self.peak, self.world_size = flops_token, peak, world_size
+        self.log_every, self.progress, self.device = log_every, progress, device
+        self.bar = None
+
+    def open_bar(self, total: int, initial: int) -> None:
+        if self.progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(
+                total=total, initial=initial, desc="train", file=sys.stderr, dynamic_ncols=True
+            )
+
+    def close_bar(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def step(
+        self, r, number: int, dt: float, wait: float, lr: float, skipped: int, fallbacks: int
+    ) -> None:
+        """Logs the step (a `guard.StepResult`) that completed step count `number`."""
+        tok_s = r.tokens / dt
+        mfu = tok_s * self.flops_token / (self.peak * self.world_size) if self.peak else None
+        values: dict[str, float | None] = {
+            "train/loss": r.loss,
+            "train/lr": lr,
+            "train/grad_norm": r.grad_norm,
+            "perf/tokens_per_s": tok_s,
+            "perf/step_ms": dt * 1e3,
+            "perf/data_wait_ms": wait * 1e3,
+            "perf/mfu": mfu,
+            "train/skipped_steps": skipped,
+            "compile/fallbacks": fallbacks,
+        }
+        if self.device.type == "cuda":
+            values["perf/gpu_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
+        self.log.scalars(number, values)
+        if r.skipped:
+            self.say(f"step {number}: skipped ({r.skipped})")
+            self.log.text(f"step {number} skipped: {r.skipped}")
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{r.loss:.3f}", tok_s=f"{tok_s:,.0f}", refresh=False)
+        if number % self.log_every == 0 or number == 1:
+            line = (
+                f"step {number} loss {r.loss:.4f} lr {lr:.2e} grad_norm {r.grad_norm:.3f} "
+                f"tok/s {tok_s:,.0f} step_ms {dt * 1e3:.1f} data_wait_ms {wait * 1e3:.2f}"
+                + (f" mfu {mfu:.1%}" if mfu else "")
+            )
+            self.log.text(line)
+
+    def eval(self, step: int, val: float | None) -> None:
+        if val is None:
+            return
+        self.log.scalars(step, {"val/loss": val})
+        self.log.text(f"step {step} val_loss {val:.4f}")
+        self.say(f"step {step}: val loss {val:.4f}")

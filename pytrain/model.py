@@ -253,7 +253,8 @@ class GPT(nn.Module):
         dtype = compute_dtype(x)
         # The embedding's dtype is the parameters' (bf16 with master weights).
         x = x.to(dtype if self.cfg.residual == "compute" else torch.float32)
-        cos, sin = (t[pos][:, :, None].to(dtype) for t in (self.rope_cos, self.rope_sin))
+        tables: tuple[torch.Tensor, torch.Tensor] = (self.rope_cos, self.rope_sin)  # type: ignore[assignment]
+        cos, sin = (t[pos][:, :, None].to(dtype) for t in tables)
         for i, block in enumerate(self.blocks):
             if self.training and self.checkpoint_every and i % self.checkpoint_every == 0:
                 x = checkpoint(block, x, cos, sin, mask, use_reentrant=False)

@@ -85,12 +85,16 @@ def clip_scale(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
 
 
 def fused_step(
-    optimizer: torch.optim.Optimizer, skip: torch.Tensor, norm: torch.Tensor, max_norm: float
+    optimizer: torch.optim.Optimizer | MasterAdamW,
+    skip: torch.Tensor,
+    norm: torch.Tensor,
+    max_norm: float,
 ) -> None:
     """One step of a fused AdamW with clipping folded in and the skip decided on the
     device (`skip`: 0-d bool). Same update as clip_grad_norm_ then step()."""
     if not optimizer.defaults.get("fused"):
         raise ValueError("fused_step needs an optimizer built with fused=True")
-    optimizer.grad_scale = clip_scale(norm, max_norm) if max_norm > 0 else None
-    optimizer.found_inf = skip.float()
+    # The fused kernel reads these two attributes (torch.optim's AMP hooks).
+    optimizer.grad_scale = clip_scale(norm, max_norm) if max_norm > 0 else None  # type: ignore[union-attr]
+    optimizer.found_inf = skip.float()  # type: ignore[union-attr]
     optimizer.step()

@@ -304,7 +304,7 @@ def inspect_main(argv: list[str]) -> int:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(7, 4))
-        ax.hist(lens, bins=edges, edgecolor="black")
+        ax.hist(lens, bins=edges.tolist(), edgecolor="black")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("document length (tokens)")
         ax.set_ylabel("documents")

@@ -29,7 +29,7 @@ import numpy as np
 from pytrain.inputs import InputError
 from pytrain.shards import TokenBatch
 
-LLMC_MAGIC = {20240520: np.dtype("<u2"), 20240801: np.dtype("<u4")}
+LLMC_MAGIC: dict[int, np.dtype] = {20240520: np.dtype("<u2"), 20240801: np.dtype("<u4")}
 LLMC_EOT = {20240520: 50256, 20240801: 128000}  # GPT-2 <|endoftext|>, Llama 3 <|begin_of_text|>
 LLMC_HEADER_INTS = 256
 GPT2_VOCAB, GPT2_EOT = 50257, 50256

@@ -154,7 +154,8 @@ class StepProfiler:
             if not 0 <= a < b:
                 raise ValueError(f"profile_steps {spec!r}: need 0 <= A < B")
             self.start, self.stop = a, b
-        self.out, self.device, self.prof, self.t0 = out, device, None, 0.0
+        self.out, self.device, self.t0 = out, device, 0.0
+        self.prof: torch.profiler.profile | None = None
         self.summary: dict | None = None
 
     def before_step(self, step: int) -> None:
@@ -166,8 +167,9 @@ class StepProfiler:
         if self.device.type == "cuda":
             acts.append(torch.profiler.ProfilerActivity.CUDA)
             torch.cuda.synchronize(self.device)
-        self.prof = torch.profiler.profile(activities=acts)
-        self.prof.__enter__()
+        prof = torch.profiler.profile(activities=acts)
+        prof.__enter__()
+        self.prof = prof
         self.t0 = time.perf_counter()
 
     def after_step(self, step_done: int) -> None:

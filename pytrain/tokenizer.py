@@ -215,15 +215,15 @@ def choose_special(
             if i >= vocab:
                 raise TokenizerError(f"{flag} {spec}: id outside the vocabulary (size {vocab})")
             return SpecialToken(i, tok.id_to_token(i), f"set by {flag}")
-        i = tok.token_to_id(spec)
-        if i is None:
+        found = tok.token_to_id(spec)
+        if found is None:
             raise TokenizerError(
                 f"{flag} {spec!r}: no such token in the tokenizer (give a token string or an id)"
             )
-        return SpecialToken(i, spec, f"set by {flag}")
+        return SpecialToken(found, spec, f"set by {flag}")
     for c in candidates:
-        i = tok.token_to_id(c)
-        if i is not None:
+        found = tok.token_to_id(c)
+        if found is not None:
             how = "automatic guess" if c in GUESSES else "automatic"
-            return SpecialToken(i, c, f"{how}; choose another with {flag}")
+            return SpecialToken(found, c, f"{how}; choose another with {flag}")
     return None

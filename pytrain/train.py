@@ -38,8 +38,9 @@ def _main(argv: list[str] | None) -> int:
 
         cache = cfg.compile.cache_dir or f"{cfg.out_dir}/{cfg.name}/inductor-cache"
         apply_safe_env(cache, cudagraphs=cfg.compile.mode == "reduce-overhead")
+    from pytrain.guard import TrainingStopped
     from pytrain.report import final_report
-    from pytrain.trainer import Trainer, TrainingStopped
+    from pytrain.trainer import Trainer
 
     t0 = time.perf_counter()
     trainer = Trainer(cfg)

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import math
 import random
-import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +16,11 @@ from torch import nn
 from pytrain import checkpoint, compile_policy, distributed, flash4, optim
 from pytrain.config import ConfigError, TrainConfig, to_dict
 from pytrain.data import DeviceBatch, DeviceFeed, HostBatch, TokenLoader
-from pytrain.metrics import RunLog, flops_per_token, loader_cpu_seconds, peak_flops
+from pytrain.guard import PendingStep, StepGuard, StepResult
+from pytrain.master_adamw import MasterAdamW
+from pytrain.metrics import RunLog, StepLog, flops_per_token, loader_cpu_seconds, peak_flops
 from pytrain.model import GPT
+from pytrain.precision import choose_precision
 from pytrain.profiling import StepProfiler
 
 
@@ -35,10 +36,6 @@ def dataset_dir(path: str, flag: str) -> Path:
     return p
 
 
-class TrainingStopped(RuntimeError):
-    """Training cannot go on (for example, too many bad steps in a row)."""
-
-
 class LossModule(nn.Module):
     """What is compiled and wrapped: GPT plus the summed, masked loss."""
 
@@ -50,30 +47,6 @@ class LossModule(nn.Module):
         return self.gpt.loss_sum(input_ids, targets, position_ids, loss_mask, mask)
 
 
-@dataclass
-class Precision:
-    dtype: torch.dtype | None  # autocast dtype, None for fp32
-    scaler: torch.amp.GradScaler | None
-    name: str
-
-    def autocast(self, device: torch.device) -> torch.autocast:
-        """The autocast context of this precision (off for fp32)."""
-        return torch.autocast(device.type, dtype=self.dtype, enabled=self.dtype is not None)
-
-
-def choose_precision(requested: str, device: torch.device) -> Precision:
-    cuda = device.type == "cuda"
-    if requested == "auto":
-        requested = ("bf16" if torch.cuda.is_bf16_supported() else "fp16") if cuda else "fp32"
-    if requested == "fp32":
-        return Precision(None, None, "fp32")
-    if requested == "bf16":
-        return Precision(torch.bfloat16, None, "bf16")
-    if requested == "fp16":
-        return Precision(torch.float16, torch.amp.GradScaler(device.type), "fp16 + GradScaler")
-    raise ValueError(f"precision {requested!r} is not auto, bf16, fp16 or fp32")
-
-
 def checkpoint_every(spec: str) -> int:
     if spec == "off":
         return 0
@@ -82,95 +55,6 @@ def checkpoint_every(spec: str) -> int:
     if spec.startswith("every-") and spec[6:].isdigit() and int(spec[6:]) > 0:
         return int(spec[6:])
     raise ValueError(f"activation_checkpointing {spec!r} is not off, full or every-N")
-
-
-@dataclass
-class StepGuard:
-    """Skips steps with a non-finite loss or gradient, or a loss far above its running
-    mean; stops after too many in a row. The decision is made on the device (`check`, no
-    host sync: the fused optimizer skips the update itself); the counts, the message and
-    the stop follow when the host reads the step's values (`record`). Its state is saved
-    in checkpoints."""
-
-    spike_factor: float
-    max_bad: int
-    warmup: int
-    ema: float | None = None
-    """Running mean of applied steps' losses (as of the last checkpoint or load)."""
-    bad_in_row: int = 0
-    skipped: int = 0
-    _ema_t: torch.Tensor | None = None  # the running mean on the device; NaN: none yet
-
-    def check(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor):
-        """(skip, running mean before this step): 0-d tensors on the loss's device."""
-        if self._ema_t is None or self._ema_t.device != loss.device:
-            start = math.nan if self.ema is None else self.ema
-            self._ema_t = torch.tensor(start, dtype=torch.float32, device=loss.device)
-        ema = self._ema_t
-        loss = loss.float()
-        bad = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
-        if self.spike_factor > 0 and step >= self.warmup:
-            bad = bad | (loss > self.spike_factor * ema)  # False while ema is NaN
-        updated = torch.where(torch.isnan(ema), loss, 0.95 * ema + 0.05 * loss)
-        self._ema_t = torch.where(bad, ema, updated)
-        return bad, ema
-
-    def record(self, bad: bool, loss: float, grad_norm: float, ema_before: float) -> str | None:
-        """Host bookkeeping of one checked step, in step order: None if it was applied,
-        else the reason it was skipped. Raises TrainingStopped after max_bad in a row."""
-        if not bad:
-            self.bad_in_row = 0
-            return None
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            reason = f"non-finite loss {loss} or grad norm {grad_norm}"
-        else:
-            reason = f"loss spike {loss:.3f} > {self.spike_factor} x running mean {ema_before:.3f}"
-        self.bad_in_row += 1
-        self.skipped += 1
-        if self.bad_in_row >= self.max_bad:
-            raise TrainingStopped(
-                f"{self.bad_in_row} bad steps in a row (last: {reason}); stopping. Lower the learning rate, "
-                "check the data, or resume from an earlier checkpoint."
-            )
-        return reason
-
-    def state_dict(self) -> dict:
-        if self._ema_t is not None:
-            ema = float(self._ema_t)
-            self.ema = None if math.isnan(ema) else ema
-        return {"ema": self.ema, "bad_in_row": self.bad_in_row, "skipped": self.skipped}
-
-    def load_state_dict(self, s: dict) -> None:
-        self.ema, self.bad_in_row, self.skipped = s["ema"], s["bad_in_row"], s["skipped"]
-        self._ema_t = None
-
-
-@dataclass
-class StepResult:
-    loss: float
-    """Mean loss per loss token over the whole step (all micro-batches, all ranks)."""
-    grad_norm: float
-    loss_tokens: int
-    tokens: int
-    skipped: str | None = None
-    fallbacks: list[str] = field(default_factory=list)
-
-
-@dataclass
-class PendingStep:
-    """A step whose kernels may still be running. Its values stay on the device until
-    `Trainer.settle` reads them, one step later, when the device has long finished them:
-    the host never waits for the device in the middle of a step."""
-
-    values: torch.Tensor
-    """loss, grad norm, skip flag and the running mean before the step (host memory,
-    pinned on CUDA, filled by a copy queued at the end of the step)."""
-    ready: torch.cuda.Event | None
-    """Recorded after that copy: waiting on it waits for this step only, not for the
-    steps queued after it (a read of a device tensor would wait for all of them)."""
-    loss_tokens: int
-    tokens: int
-    fallbacks: list[str]
 
 
 class Trainer:
@@ -272,7 +156,16 @@ class Trainer:
             cfg.model.d_model // cfg.model.n_head,
             cfg.data.seq_len,
         )
-        self.peak = peak_flops(self.device)
+        self.steplog = StepLog(
+            self.log,
+            self.say,
+            flops_token=self.flops_token,
+            peak=peak_flops(self.device),
+            world_size=self.dist.world_size,
+            log_every=cfg.log_every,
+            progress=cfg.progress and self.dist.is_main,
+            device=self.device,
+        )
 
     # ---- set-up -------------------------------------------------------------------------
     @staticmethod
@@ -330,7 +223,7 @@ class Trainer:
         )
         model, optim = distributed.model_optim_state(self.gpt, self.optimizer, self.sharded)
         if self.master:  # the fp32 weights, not their bf16 copies
-            model = self.optimizer.master_state(self.gpt)
+            model = self._masters.master_state(self.gpt)
         return {
             "step": self.step,
             "tokens_seen": self.tokens_seen,
@@ -369,7 +262,7 @@ class Trainer:
             self.gpt, self.optimizer, state["model"], state["optimizer"], self.sharded
         )
         if self.master:
-            self.optimizer.load_masters(self.gpt, state["model"])
+            self._masters.load_masters(self.gpt, state["model"])
         if self.precision.scaler and state["scaler"]:
             self.precision.scaler.load_state_dict(state["scaler"])
         self.guard.load_state_dict(state["guard"])
@@ -426,7 +319,7 @@ class Trainer:
                 loss = loss_sum * scale
                 (self.precision.scaler.scale(loss) if self.precision.scaler else loss).backward()
             if self.master and len(batches) > 1:
-                self.optimizer.accumulate()  # into fp32, not into the bf16 .grad
+                self._masters.accumulate()  # into fp32, not into the bf16 .grad
             total += loss_sum.detach().float()
         return total
 
@@ -444,7 +337,7 @@ class Trainer:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        torch._foreach_zero_([p.grad for p in params])
+        torch._foreach_zero_([p.grad for p in params if p.grad is not None])
 
     def _backward_with_fallback(
         self, batches: list[DeviceBatch], denom: float = 1.0, prefetch=None
@@ -512,7 +405,7 @@ class Trainer:
             grad_norm = optim.grad_norm(self.optimizer)
         else:
             if self.precision.scaler:
-                self.precision.scaler.unscale_(self.optimizer)
+                self.precision.scaler.unscale_(self._torch_optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 self.gpt.parameters(), max_norm or float("inf")
             )
@@ -527,13 +420,26 @@ class Trainer:
             self.optimizer.step()
         return grad_norm, bad, ema_before
 
+    @property
+    def _masters(self) -> MasterAdamW:
+        """The optimizer, when it keeps fp32 master weights (`self.master`)."""
+        assert isinstance(self.optimizer, MasterAdamW)
+        return self.optimizer
+
+    @property
+    def _torch_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer, on the paths only torch's AdamW takes (fused step, GradScaler)."""
+        assert isinstance(self.optimizer, torch.optim.Optimizer)
+        return self.optimizer
+
     def _scaler_step(self, bad, loss, grad_norm) -> torch.Tensor:
         """fp16: the GradScaler skips steps with inf/NaN gradients itself (and lowers its
         scale), so an overflow is not a bad step; a bad loss or a spike still is."""
         scaler = self.precision.scaler
+        assert scaler is not None  # fp16 only
         finite_grads = math.isfinite(float(grad_norm))
         if not bool(bad) or not finite_grads:
-            scaler.step(self.optimizer)
+            scaler.step(self._torch_optimizer)
         scaler.update()
         if not finite_grads and math.isfinite(float(loss)):
             return torch.zeros_like(bad)
@@ -662,7 +568,7 @@ class Trainer:
     def fit(self) -> dict:
         cfg = self.cfg
         self.gpt.train()
-        bar = self._bar()
+        self.steplog.open_bar(cfg.max_steps, self.step)
         history: list[float] = []
         val = None
         t_start = time.perf_counter()
@@ -684,7 +590,10 @@ class Trainer:
             now = time.perf_counter()
             dt, t_mark = now - t_mark, now
             history.append(r.loss)
-            self._log_step(r, number, dt, wait, bar)
+            self.steplog.step(
+                r, number, dt, wait, optim.lr_at(number - 1, cfg), self.guard.skipped,
+                len(self.fallbacks),
+            )  # fmt: skip
 
         while self.step < cfg.max_steps:
             if cfg.halt_after and self.step - first_step >= cfg.halt_after:
@@ -708,7 +617,7 @@ class Trainer:
                 settle_pending()  # logs, guard counts and checkpoints up to this step
             if eval_due:
                 val = self.evaluate()
-                self._log_eval(val)
+                self.steplog.eval(self.step, val)
                 t_mark = time.perf_counter()  # evaluation is not step time
             if ckpt_due:
                 self.save_checkpoint()
@@ -717,8 +626,7 @@ class Trainer:
                 self.say(f"time limit of {cfg.time_limit_s:.0f}s reached at step {self.step}")
                 break
         settle_pending()
-        if bar is not None:
-            bar.close()
+        self.steplog.close_bar()
         cpu_end = loader_cpu_seconds()
         if cpu_start is not None and cpu_end is not None:
             wall = time.perf_counter() - t_start
@@ -727,7 +635,7 @@ class Trainer:
             )
         if not (cfg.eval_every and self.step % cfg.eval_every == 0):
             val = self.evaluate()
-            self._log_eval(val)
+            self.steplog.eval(self.step, val)
         if not (cfg.ckpt_every and self.step % cfg.ckpt_every == 0):
             self.save_checkpoint()
         graphs = compile_policy.compiled_graphs() if self.compile_mode != "eager" else 0
@@ -747,58 +655,6 @@ class Trainer:
             "skipped": self.guard.skipped,
             "graphs": graphs,
         }
-
-    def _bar(self):
-        if not (self.cfg.progress and self.dist.is_main):
-            return None
-        from tqdm import tqdm
-
-        return tqdm(
-            total=self.cfg.max_steps,
-            initial=self.step,
-            desc="train",
-            file=sys.stderr,
-            dynamic_ncols=True,
-        )
-
-    def _log_step(self, r: StepResult, number: int, dt: float, wait: float, bar) -> None:
-        """Logs the step that completed step count `number`."""
-        tok_s = r.tokens / dt
-        mfu = tok_s * self.flops_token / (self.peak * self.dist.world_size) if self.peak else None
-        values = {
-            "train/loss": r.loss,
-            "train/lr": optim.lr_at(number - 1, self.cfg),
-            "train/grad_norm": r.grad_norm,
-            "perf/tokens_per_s": tok_s,
-            "perf/step_ms": dt * 1e3,
-            "perf/data_wait_ms": wait * 1e3,
-            "perf/mfu": mfu,
-            "train/skipped_steps": self.guard.skipped,
-            "compile/fallbacks": len(self.fallbacks),
-        }
-        if self.device.type == "cuda":
-            values["perf/gpu_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
-        self.log.scalars(number, values)
-        if r.skipped:
-            self.say(f"step {number}: skipped ({r.skipped})")
-            self.log.text(f"step {number} skipped: {r.skipped}")
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{r.loss:.3f}", tok_s=f"{tok_s:,.0f}", refresh=False)
-        if number % self.cfg.log_every == 0 or number == 1:
-            line = (
-                f"step {number} loss {r.loss:.4f} lr {values['train/lr']:.2e} grad_norm {r.grad_norm:.3f} "
-                f"tok/s {tok_s:,.0f} step_ms {dt * 1e3:.1f} data_wait_ms {wait * 1e3:.2f}"
-                + (f" mfu {mfu:.1%}" if mfu else "")
-            )
-            self.log.text(line)
-
-    def _log_eval(self, val: float | None) -> None:
-        if val is None:
-            return
-        self.log.scalars(self.step, {"val/loss": val})
-        self.log.text(f"step {self.step} val_loss {val:.4f}")
-        self.say(f"step {self.step}: val loss {val:.4f}")
 
     def close(self) -> None:
         self.feed.close()

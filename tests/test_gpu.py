@@ -64,7 +64,7 @@ def test_cuda_copy_equals_cpu_preparation(tmp_path: Path | None = None):
 def test_fused_adamw_skips_a_step_the_guard_marks_bad_without_a_sync():
     """The trainer's skip on CUDA: StepGuard.check decides on the device and the fused
     AdamW, given that decision as found_inf, leaves weights, moments and step alone."""
-    from pytrain.trainer import StepGuard
+    from pytrain.guard import StepGuard
 
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(64, 64, device="cuda"))

@@ -11,8 +11,9 @@ import torch
 
 from pytrain.config import parse_args
 from pytrain.data import DeviceBatch
+from pytrain.guard import StepGuard, TrainingStopped
 from pytrain.optim import lr_at
-from pytrain.trainer import StepGuard, Trainer, TrainingStopped
+from pytrain.trainer import Trainer
 
 
 def small_cfg(small_corpus, tmp_path: Path, *extra: str):
