@@ -13,15 +13,12 @@ RUST_SRC := $(wildcard rust_loader/*.rs) Cargo.toml pyproject.toml
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  make %-13s %s\n", $$1, $$2}'
 
-$(VENV)/.deps: pyproject.toml scripts/deps.py
+# The package and its extras (dev pulls in parquet, zstd, plot) through maturin, which
+# builds the extension and installs the dependencies pyproject.toml lists.
+$(VENV)/.ext: $(RUST_SRC)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PYTHON) scripts/deps.py runtime dev > $(VENV)/requirements.txt
-	$(PY) -m pip install -q -r $(VENV)/requirements.txt
-	touch $@
-
-$(VENV)/.ext: $(VENV)/.deps $(RUST_SRC)
-	$(VENV)/bin/maturin develop --release -q
+	$(PY) -m pip install -q --upgrade pip 'maturin>=1.7,<2'
+	$(VENV)/bin/maturin develop --release -q --extras dev
 	touch $@
 
 setup: $(VENV)/.ext ## create .venv, install Python deps (torch included), build the extension

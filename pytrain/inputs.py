@@ -64,6 +64,18 @@ class BadInputs:
         )
 
 
+def optional(module: str, extra: str, what: str):
+    """Imports an optional dependency, or raises an InputError saying how to install it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise InputError(
+            f"{what} needs {module}: pip install {module} (or the extra: pytrain[{extra}])"
+        ) from e
+
+
 def _stop(err: InputError) -> None:
     raise err
 
@@ -139,9 +151,8 @@ def _open_binary(path: Path) -> io.BufferedIOBase:
     if path.name.endswith(".gz"):
         return gzip.open(path, "rb")
     if path.name.endswith(".zst"):
-        import zstandard  # only .zst inputs need it
-
-        return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)  # type: ignore[return-value]
+        zstandard = optional("zstandard", "zstd", f"{path}: reading .zst")
+        return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
     return open(path, "rb")
 
 
@@ -213,6 +224,7 @@ PARQUET_BATCH_ROWS = 1024
 
 
 def _parquet(path: Path, opts: ReadOptions, on_bad) -> Iterator[tuple[str, str]]:
+    optional("pyarrow", "parquet", f"{path}: reading .parquet")
     import pyarrow.parquet as pq
 
     try:

@@ -298,7 +298,12 @@ def inspect_main(argv: list[str]) -> int:
     for lo, hi, c in zip(edges[:-1], edges[1:], counts, strict=True):
         print(f"  [{lo:>8}, {hi:>8})  {c:>10,}  {'#' * int(40 * c / width)}")
     if args.plot:
-        import matplotlib
+        try:
+            import matplotlib
+        except ImportError:
+            print("pack-shards inspect: --plot needs matplotlib: pip install matplotlib "
+                  "(or the extra: pytrain[plot])", file=sys.stderr)  # fmt: skip
+            return EXIT_USAGE
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt

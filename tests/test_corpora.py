@@ -245,3 +245,19 @@ def test_import_with_a_tokenizer_copies_it_and_uses_its_eos(tmp_path, bpe_tokeni
     dec = Tokenizer.from_file(str(tmp_path / "ds" / "tokenizer.json"))
     assert [dec.decode(d[:-1].tolist()) for d in read_all_documents(tmp_path / "ds")] == texts
     assert json.loads((tmp_path / "ds" / "manifest.json").read_text())["tokenizer"]["eos_id"] == eos
+
+
+def test_missing_optional_reader_is_a_one_line_error(tmp_path, monkeypatch, capsys):
+    """pyarrow and zstandard are extras: without them the error says what to install."""
+    import sys
+
+    pq.write_table(pa.table({"text": ["a"]}), tmp_path / "x.parquet")
+    (tmp_path / "y.jsonl.zst").write_bytes(b"")
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    monkeypatch.setitem(sys.modules, "zstandard", None)
+    assert cli(str(tmp_path / "x.parquet"), "-o", str(tmp_path / "ds")) == 1
+    err = capsys.readouterr().err
+    assert "x.parquet: reading .parquet needs pyarrow" in err and "pytrain[parquet]" in err
+    assert "Traceback" not in err
+    assert cli(str(tmp_path / "y.jsonl.zst"), "-o", str(tmp_path / "ds")) == 1
+    assert "pytrain[zstd]" in capsys.readouterr().err
