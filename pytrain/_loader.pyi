@@ -6,7 +6,7 @@ from typing_extensions import Self
 
 __all__ = [
     "FORMAT_VERSION", "LoaderError", "CorruptShardError", "ManifestError", "StateError",
-    "ShardWriter", "Encoder", "Dataset", "Loader", "write_synthetic",
+    "ShardWriter", "Encoder", "Dataset", "Loader", "ReadyBatch", "write_synthetic",
 ]  # fmt: skip
 
 FORMAT_VERSION: int
@@ -57,12 +57,38 @@ class Dataset:
     def dtype(self) -> str: ...
     @property
     def manifest_hash(self) -> str: ...
+    @property
+    def vocab_size(self) -> int | None:
+        """The tokenizer's vocabulary size recorded in the manifest."""
+    @property
+    def eos_id(self) -> int | None:
+        """The end-of-document id pack-shards added, if any."""
     def doc_lengths(self) -> bytes: ...
     def verify(self) -> None: ...
     def frame_location(self, frame: int) -> tuple[str, int, int, int]:
         """(shard file, byte offset, compressed length, tokens) of a global frame."""
     def read_frame(self, frame: int) -> tuple[bytes, list[int]]:
         """Decoded tokens (dataset dtype, little-endian) and document lengths of a frame."""
+
+@final
+class ReadyBatch:
+    """A batch the loader has filled (fields as named; read-only)."""
+
+    @property
+    def slot(self) -> int: ...
+    @property
+    def rows(self) -> int: ...
+    @property
+    def width(self) -> int:
+        """Tokens per row (sequence length + 1)."""
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def doc_tokens(self) -> int: ...
+    @property
+    def pad_tokens(self) -> int: ...
+    @property
+    def pieces(self) -> int: ...
 
 @final
 class Loader:
@@ -88,10 +114,9 @@ class Loader:
         skip_corrupt: bool = ...,
         state: dict[str, Any] | None = None,
     ) -> Self: ...
-    def next(self) -> tuple[int, int, int, int, int, int, int] | None:
-        """(slot, rows, width, epoch, doc_tokens, pad_tokens, pieces), or None after the
-        last epoch. Slots are (tokens, doc_ids) CPU tensors: tokens of the dataset's width
-        (uint16 or int32), doc_ids int32."""
+    def next(self) -> ReadyBatch | None:
+        """The next filled slot, or None after the last epoch. Slots are (tokens, doc_ids)
+        CPU tensors: tokens of the dataset's width (uint16 or int32), doc_ids int32."""
     def release(self, slot: int) -> None: ...
     def state(self) -> dict[str, Any]: ...
     def stats(self) -> dict[str, Any]: ...

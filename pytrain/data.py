@@ -365,10 +365,11 @@ class TokenLoader:
         got = self._inner.next()
         if got is None:
             raise StopIteration
-        slot, rows, width, epoch, doc_tokens, pad_tokens, pieces = got
-        t, d = self._views(slot, rows, width)
-        self._held.add(slot)
-        return HostBatch(t, d, epoch, doc_tokens, pad_tokens, pieces, slot, self, self._inner)
+        t, d = self._views(got.slot, got.rows, got.width)
+        self._held.add(got.slot)
+        return HostBatch(
+            t, d, got.epoch, got.doc_tokens, got.pad_tokens, got.pieces, got.slot, self, self._inner
+        )
 
     def _views(self, slot: int, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, width) views of a slot's arrays, made once per slot and shape: a batch

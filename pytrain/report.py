@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pytrain.shards import read_manifest, sample_documents
+from pytrain.shards import sample_documents
 
 SAMPLE_TOKENS = 4_000_000
 """Tokens read from each dataset for the unigram baseline: a bounded sample, so a
@@ -44,7 +44,7 @@ def samples(trainer, n: int, tokens: int) -> list[str]:
             "(samples skipped: the model is sharded by FSDP2; sample from the checkpoint in one process)"
         ]
     tok = Tokenizer.from_file(str(path))
-    eos = read_manifest(trainer.train_path)["tokenizer"].get("eos_id")  # as pack-shards chose it
+    eos = trainer.loader.dataset.eos_id  # as pack-shards chose it
     out = []
     torch.manual_seed(0)
     trainer.gpt.eval()

@@ -75,9 +75,7 @@ class Trainer:
         self.precision = choose_precision(cfg.precision, self.device)
         self.train_path, self.val_path = self._datasets()
         self.loader = self._loader(self.train_path)
-        from pytrain.shards import read_manifest
-
-        vocab = int(read_manifest(self.train_path)["tokenizer"]["vocab_size"])
+        vocab = self.loader.dataset.vocab_size or 0  # from the manifest, via the extension
         if cfg.model.vocab_size < vocab:
             cfg.model.vocab_size = vocab
         cfg.model.max_seq_len = max(

@@ -21,12 +21,23 @@ pub struct ManifestShard {
     pub xxh3_64: String,
 }
 
+/// What the manifest says of the tokenizer that made the ids (pack-shards writes more).
+#[derive(Debug, Default, Deserialize)]
+pub struct ManifestTokenizer {
+    /// Ids are below it: the model's vocabulary must cover it.
+    pub vocab_size: Option<u64>,
+    pub eos_id: Option<u32>,
+    pub bos_id: Option<u32>,
+}
+
 #[derive(Debug, Deserialize)]
 pub struct Manifest {
     pub format: String,
     pub format_version: u32,
     pub dtype: String,
     pub shards: Vec<ManifestShard>,
+    #[serde(default)]
+    pub tokenizer: ManifestTokenizer,
 }
 
 /// Where a global frame lives.

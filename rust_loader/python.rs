@@ -200,6 +200,16 @@ impl PyDataset {
     fn manifest_hash(&self) -> String {
         format!("{:016x}", self.inner.manifest_hash)
     }
+    /// The tokenizer's vocabulary size from the manifest (None if it does not say).
+    #[getter]
+    fn vocab_size(&self) -> Option<u64> {
+        self.inner.manifest.tokenizer.vocab_size
+    }
+    /// The end-of-document id pack-shards added (None if none).
+    #[getter]
+    fn eos_id(&self) -> Option<u32> {
+        self.inner.manifest.tokenizer.eos_id
+    }
 
     /// Lengths of every document in file order (little-endian uint32), read from the
     /// shard indexes without decoding any frame.
@@ -314,7 +324,32 @@ fn state_from_dict(d: &Bound<'_, PyDict>) -> PyResult<LoaderState> {
 }
 
 /// (slot, rows, width, epoch, doc_tokens, pad_tokens, pieces) of a ready batch.
-type ReadyTuple = (usize, usize, usize, u64, u64, u64, u64);
+/// A batch the loader has filled: which slot holds it, its shape, and its token counts
+/// (as tokenizers' `Encoding`, named fields instead of a tuple).
+#[pyclass(name = "ReadyBatch", module = "pytrain._loader", frozen, get_all)]
+struct PyReadyBatch {
+    /// Index of the slot (a pair of CPU tensors) that holds the batch.
+    slot: usize,
+    rows: usize,
+    /// Tokens per row (sequence length + 1).
+    width: usize,
+    /// Epoch of the batch's first row.
+    epoch: u64,
+    doc_tokens: u64,
+    pad_tokens: u64,
+    /// Runs of one document in the batch (each one's last token has no target).
+    pieces: u64,
+}
+
+#[pymethods]
+impl PyReadyBatch {
+    fn __repr__(&self) -> String {
+        format!(
+            "ReadyBatch(slot={}, rows={}, width={}, epoch={}, doc_tokens={}, pad_tokens={}, pieces={})",
+            self.slot, self.rows, self.width, self.epoch, self.doc_tokens, self.pad_tokens, self.pieces
+        )
+    }
+}
 
 #[pyclass(name = "Loader", module = "pytrain._loader", frozen)]
 struct PyLoader {
@@ -419,21 +454,17 @@ impl PyLoader {
         Ok(PyLoader { inner })
     }
 
-    /// Blocks (without the GIL) until a batch is ready. Returns
-    /// (slot, rows, width, epoch, doc_tokens, pad_tokens, pieces), or None after the
-    /// last epoch.
-    fn next(&self, py: Python<'_>) -> PyResult<Option<ReadyTuple>> {
+    /// Blocks (without the GIL) until a batch is ready; None after the last epoch.
+    fn next(&self, py: Python<'_>) -> PyResult<Option<PyReadyBatch>> {
         let b = run(py, || self.inner.next())?;
-        Ok(b.map(|b| {
-            (
-                b.slot,
-                b.rows,
-                b.width,
-                b.epoch,
-                b.doc_tokens,
-                b.pad_tokens,
-                b.pieces,
-            )
+        Ok(b.map(|b| PyReadyBatch {
+            slot: b.slot,
+            rows: b.rows,
+            width: b.width,
+            epoch: b.epoch,
+            doc_tokens: b.doc_tokens,
+            pad_tokens: b.pad_tokens,
+            pieces: b.pieces,
         }))
     }
 
@@ -544,6 +575,7 @@ fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_class::<PyShardWriter>()?;
     m.add_class::<PyEncoder>()?;
+    m.add_class::<PyReadyBatch>()?;
     m.add_class::<PyDataset>()?;
     m.add_class::<PyLoader>()?;
     m.add_function(wrap_pyfunction!(write_synthetic, m)?)?;
