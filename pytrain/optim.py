@@ -15,17 +15,18 @@ import math
 import torch
 from torch import nn
 
-from pytrain.config import TrainConfig
+from pytrain.config import OptimConfig
 from pytrain.master_adamw import MasterAdamW
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    o = cfg.optim
+def lr_at(step: int, o: OptimConfig, max_steps: int) -> float:
+    """Learning rate of `step`: linear warm-up, then constant, linear or cosine decay to
+    lr x min_lr_ratio at `max_steps`."""
     if step < o.warmup_steps:
         return o.lr * (step + 1) / o.warmup_steps
     if o.schedule == "constant":
         return o.lr
-    frac = min(1.0, (step - o.warmup_steps) / max(1, cfg.max_steps - o.warmup_steps))
+    frac = min(1.0, (step - o.warmup_steps) / max(1, max_steps - o.warmup_steps))
     min_lr = o.lr * o.min_lr_ratio
     if o.schedule == "linear":
         return o.lr - (o.lr - min_lr) * frac
@@ -51,7 +52,7 @@ def use_master_weights(
 
 
 def make_optimizer(
-    model: nn.Module, cfg: TrainConfig, device: torch.device, master: bool = False
+    model: nn.Module, o: OptimConfig, device: torch.device, master: bool = False
 ) -> torch.optim.Optimizer | MasterAdamW:
     """AdamW; weight decay on matrices only (not norms); fused on CUDA. With `master`,
     the parameters become bf16 and the optimizer a MasterAdamW holding their fp32 copies."""
@@ -59,13 +60,13 @@ def make_optimizer(
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [
-        {"params": decay, "weight_decay": cfg.optim.weight_decay},
+        {"params": decay, "weight_decay": o.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    betas = (cfg.optim.beta1, cfg.optim.beta2)
+    betas = (o.beta1, o.beta2)
     if master:
-        return MasterAdamW(groups, lr=cfg.optim.lr, betas=betas, dtype=torch.bfloat16)
-    return torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=betas, fused=device.type == "cuda")
+        return MasterAdamW(groups, lr=o.lr, betas=betas, dtype=torch.bfloat16)
+    return torch.optim.AdamW(groups, lr=o.lr, betas=betas, fused=device.type == "cuda")
 
 
 def grad_norm(optimizer: torch.optim.Optimizer | MasterAdamW) -> torch.Tensor:

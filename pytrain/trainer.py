@@ -94,7 +94,7 @@ class Trainer:
             self.precision.dtype,
             one_process=not self.dist.enabled,
         )
-        self.optimizer = optim.make_optimizer(self.gpt, cfg, self.device, self.master)
+        self.optimizer = optim.make_optimizer(self.gpt, cfg.optim, self.device, self.master)
         self.guard = StepGuard(
             cfg.optim.spike_factor, cfg.optim.max_bad_steps, cfg.optim.warmup_steps
         )
@@ -379,7 +379,7 @@ class Trainer:
         loss_sum, fallbacks = self._backward_with_fallback(batches, denom, prefetch)
         loss = distributed.all_sum_tensor(loss_sum, self.dist) / denom
         for g in self.optimizer.param_groups:
-            g["lr"] = optim.lr_at(self.step, self.cfg)
+            g["lr"] = optim.lr_at(self.step, self.cfg.optim, self.cfg.max_steps)
         grad_norm, bad, ema_before = self._clip_and_step(loss)
         # Gradients are cleared when the next step starts (_zero_grads), not here: under
         # CUDA graphs with accumulation they are kept, and reused, from step to step.
@@ -589,7 +589,7 @@ class Trainer:
             dt, t_mark = now - t_mark, now
             history.append(r.loss)
             self.steplog.step(
-                r, number, dt, wait, optim.lr_at(number - 1, cfg), self.guard.skipped,
+                r, number, dt, wait, optim.lr_at(number - 1, cfg.optim, cfg.max_steps), self.guard.skipped,
                 len(self.fallbacks),
             )  # fmt: skip
 

@@ -196,10 +196,10 @@ def test_lr_schedule_warms_up_and_decays():
             "0.1",
         ]
     )
-    assert lr_at(0, cfg) == pytest.approx(0.1)
-    assert lr_at(9, cfg) == pytest.approx(1.0)
-    assert lr_at(100, cfg) == pytest.approx(0.1)
-    assert lr_at(55, cfg) == pytest.approx(0.55)
+    assert lr_at(0, cfg.optim, cfg.max_steps) == pytest.approx(0.1)
+    assert lr_at(9, cfg.optim, cfg.max_steps) == pytest.approx(1.0)
+    assert lr_at(100, cfg.optim, cfg.max_steps) == pytest.approx(0.1)
+    assert lr_at(55, cfg.optim, cfg.max_steps) == pytest.approx(0.55)
 
 
 def test_compile_policy_avoids_known_bad_combinations(monkeypatch):
@@ -297,14 +297,13 @@ def test_fused_optimizer_path_with_clipping_inside_matches_the_plain_path(
     def run(fused: bool, name: str) -> list[float]:
         real = optim.make_optimizer
 
-        def make(model, cfg, device, master=False):
-            opt = real(model, cfg, device, master)
+        def make(model, o, device, master=False):
+            opt = real(model, o, device, master)
             if not fused:
                 return opt
             groups = [
                 {"params": g["params"], "weight_decay": g["weight_decay"]} for g in opt.param_groups
             ]
-            o = cfg.optim
             return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), fused=True)
 
         monkeypatch.setattr(optim, "make_optimizer", make)
