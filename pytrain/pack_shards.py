@@ -93,7 +93,7 @@ def _pack_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _add_output_args(p: argparse.ArgumentParser) -> None:
+def _add_output_args(p: argparse.ArgumentParser, progress: bool = True) -> None:
     """Options of the dataset written (shared by packing and import)."""
     p.add_argument("-o", "--output", required=True, type=Path, help="dataset directory to create")
     p.add_argument(
@@ -117,24 +117,27 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
         default=False,
         help="replace an existing output directory (atomically)",
     )
-    p.add_argument(
-        "--progress",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="show a progress bar",
-    )
+    if progress:
+        p.add_argument(
+            "--progress",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="show a progress bar",
+        )
 
 
 ZSTD_LEVELS = (-(1 << 17), 22)  # libzstd's ZSTD_minCLevel() and ZSTD_maxCLevel()
 
 
+def _check_zstd_level(parser: argparse.ArgumentParser, level: int) -> None:
+    if not ZSTD_LEVELS[0] <= level <= ZSTD_LEVELS[1]:
+        parser.error(f"--zstd-level {level} is outside zstd's {ZSTD_LEVELS[0]}..{ZSTD_LEVELS[1]}")
+
+
 def pack_main(argv: list[str]) -> int:
     parser = _pack_parser()
     args = parser.parse_args(argv)
-    if not ZSTD_LEVELS[0] <= args.zstd_level <= ZSTD_LEVELS[1]:
-        parser.error(
-            f"--zstd-level {args.zstd_level} is outside zstd's {ZSTD_LEVELS[0]}..{ZSTD_LEVELS[1]}"
-        )
+    _check_zstd_level(parser, args.zstd_level)
     if args.eos_token is not None and not args.eos:
         parser.error("--eos-token names the token --no-eos leaves out; give one or the other")
     _set_workers(args.workers)
@@ -355,8 +358,9 @@ def import_main(argv: list[str]) -> int:
         help="documents end with the id (after: nanoGPT) or start with it (before: llm.c); "
         "Megatron datasets carry their own boundaries",
     )
-    _add_output_args(p)
+    _add_output_args(p, progress=False)
     args = p.parse_args(argv)
+    _check_zstd_level(p, args.zstd_level)
     from pytrain.inputs import InputError
     from pytrain.pretokenized import import_dataset
     from pytrain.shards import DatasetExistsError

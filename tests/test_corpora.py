@@ -19,7 +19,8 @@ from pytrain.shards import read_all_documents, read_manifest
 
 
 def cli(*args: str) -> int:
-    return pack_shards([*args, "--no-progress"])
+    """pack-shards as a user calls it (import has no progress bar to switch off)."""
+    return pack_shards([*args] if args[0] == "import" else [*args, "--no-progress"])
 
 
 def byte_docs(out: Path) -> list[str]:
@@ -203,6 +204,9 @@ def test_import_megatron_indexed_dataset(tmp_path, dtype, code):
 
 
 def test_import_errors_are_one_line_and_write_nothing(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:  # argparse: usage error, exit 2
+        cli("import", str(tmp_path / "x.bin"), "-o", str(tmp_path / "ds"), "--zstd-level", "99")
+    assert e.value.code == 2 and "--zstd-level 99 is outside" in capsys.readouterr().err
     write_llmc(tmp_path / "x.bin", [1, 2, 3], 20240520, "<u2")
     with open(tmp_path / "x.bin", "ab") as f:
         f.write(b"\x00\x00")  # one id more than the header says
