@@ -40,9 +40,10 @@ class Encoder:
     def __new__(
         cls, tokenizer_json: str, eos: int | None = None, bos: int | None = None
     ) -> Self: ...
-    def encode(self, texts: list[str]) -> tuple[bytes, bytes, int]:
-        """(ids, lengths, empty): little-endian uint32 ids back to back (with eos/bos),
-        their lengths, and how many texts encoded to no tokens (left out)."""
+    def encode(self, texts: list[str]) -> tuple[bytes, bytes, int, int]:
+        """(ids, lengths, empty, text_bytes): little-endian uint32 ids back to back (with
+        eos/bos), their lengths, how many texts encoded to no tokens (left out), and the
+        UTF-8 bytes of all texts."""
 
 @final
 class Dataset:

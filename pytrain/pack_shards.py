@@ -21,6 +21,8 @@ import os
 import sys
 from pathlib import Path
 
+from pytrain.inputs import BAD_INPUT_POLICIES
+
 EXIT_INPUT, EXIT_USAGE, EXIT_EXISTS, EXIT_CORRUPT = 1, 2, 3, 4
 
 
@@ -77,7 +79,7 @@ def _pack_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--on-bad-input",
-        choices=["stop", "skip"],
+        choices=BAD_INPUT_POLICIES,
         default="stop",
         help="stop: exit at the first bad document with file:line (default); skip: leave bad "
         "documents (and unreadable rests of files) out, list them in the manifest, print a summary",

@@ -37,8 +37,8 @@ MANIFEST = "manifest.json"
 ENCODES_IN_FLIGHT = max(2, min(8, (os.cpu_count() or 2) // 2))
 """Tokenizer calls running at once (each parallel over its documents in the tokenizer's
 thread pool), so other batches keep the cores busy while one call finishes its longest
-document. Measured on 16 cores (BENCHMARKS.md): 2 in flight ran at 0.75x of a bare
-`encode_batch_fast`, 8 at 0.9-1.1x. Memory grows with it: about 8 x batch_mib of text
+document. Measured on 16 cores (BENCHMARKS.md): 2 in flight ran at 0.78x of a bare
+`encode_batch_fast`, 8 at 0.91-1.14x. Memory grows with it: about 8 x batch_mib of text
 and its encodings."""
 
 
@@ -254,9 +254,9 @@ def encoded_batches(
     tok, docs: Iterable[tuple[str, str]], info: TokenizerInfo, opts: PackOptions
 ) -> Iterator[TokenBatch]:
     """The documents as token batches, in input order. Reading and batching run on a
-    thread; two encode calls are in flight (they release the GIL and share the tokenizer's
-    thread pool, so the long last document of one batch does not leave the other cores
-    idle); the caller compresses and writes (also without the GIL). Encoding runs in the
+    thread; ENCODES_IN_FLIGHT encode calls run at once (they release the GIL and share the
+    tokenizer's thread pool, so the long last document of one batch does not leave the
+    other cores idle); the caller compresses and writes (also without the GIL). Encoding runs in the
     extension (`_loader.Encoder`, the tokenizers crate on the same tokenizer.json), so no
     Python object is made per token."""
     encode = _encoder(tok, info, opts)
@@ -288,12 +288,12 @@ def _encoder(tok, info: TokenizerInfo, opts: PackOptions) -> Callable[[list], To
 
     def encode(batch: list[tuple[str, str]]) -> TokenBatch:
         texts = [t for _, t in batch if t]
-        ids, lengths, empty = encoder.encode(texts)
+        ids, lengths, empty, text_bytes = encoder.encode(texts)
         return TokenBatch(
             ids=np.frombuffer(ids, dtype="<u4"),
             lengths=np.frombuffer(lengths, dtype="<u4"),
             skipped_empty=len(batch) - len(texts) + empty,
-            input_bytes=sum(len(t.encode("utf-8")) for t in texts),
+            input_bytes=text_bytes,
             where=f"{batch[0][0]}..{batch[-1][0]}",
         )
 

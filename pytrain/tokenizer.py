@@ -48,10 +48,6 @@ class SpecialToken:
     chosen: str
     """"automatic", "automatic guess" (a BERT-style [SEP]/[CLS]) or the flag that named it."""
 
-    def describe(self, what: str) -> str:
-        name = repr(self.token) if self.token is not None else "(no token string)"
-        return f"{what} token {name} (id {self.id}), {self.chosen}"
-
 
 @dataclass(frozen=True)
 class TokenizerInfo:

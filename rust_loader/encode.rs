@@ -14,12 +14,14 @@ pub struct Encoder {
     bos: Option<u32>,
 }
 
-/// Documents of one batch: ids back to back, lengths, and how many encoded to nothing
-/// (skipped: an empty document has no end token either).
+/// Documents of one batch: ids back to back, lengths, how many encoded to nothing
+/// (skipped: an empty document has no end token either), and the UTF-8 bytes of the
+/// texts (for bits per byte; counted here, where the strings already are).
 pub struct Encoded {
     pub ids: Vec<u32>,
     pub lengths: Vec<u32>,
     pub empty: usize,
+    pub text_bytes: u64,
 }
 
 impl Encoder {
@@ -36,6 +38,7 @@ impl Encoder {
 
     /// Encodes `texts` in parallel (the tokenizer's thread pool), in order.
     pub fn encode(&self, texts: Vec<String>) -> Result<Encoded> {
+        let text_bytes = texts.iter().map(|t| t.len() as u64).sum();
         let encodings = self
             .tok
             .encode_batch_fast(texts, false)
@@ -46,6 +49,7 @@ impl Encoder {
             ids: Vec::with_capacity(total),
             lengths: Vec::with_capacity(encodings.len()),
             empty: 0,
+            text_bytes,
         };
         for e in &encodings {
             let ids = e.get_ids();

@@ -323,7 +323,6 @@ fn state_from_dict(d: &Bound<'_, PyDict>) -> PyResult<LoaderState> {
     })
 }
 
-/// (slot, rows, width, epoch, doc_tokens, pad_tokens, pieces) of a ready batch.
 /// A batch the loader has filled: which slot holds it, its shape, and its token counts
 /// (as tokenizers' `Encoding`, named fields instead of a tuple).
 #[pyclass(name = "ReadyBatch", module = "pytrain._loader", frozen, get_all)]
@@ -548,15 +547,21 @@ impl PyEncoder {
         Ok(PyEncoder { inner })
     }
 
-    /// Returns (ids, lengths, empty): ids and lengths as little-endian uint32 bytes, and
-    /// the number of texts that encoded to no tokens (left out).
+    /// Returns (ids, lengths, empty, text_bytes): ids and lengths as little-endian uint32
+    /// bytes, the number of texts that encoded to no tokens (left out), and the UTF-8
+    /// bytes of all texts.
     fn encode<'py>(
         &self,
         py: Python<'py>,
         texts: Vec<String>,
-    ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>, usize)> {
+    ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>, usize, u64)> {
         let e = run(py, || self.inner.encode(texts))?;
-        Ok((le_bytes(py, &e.ids)?, le_bytes(py, &e.lengths)?, e.empty))
+        Ok((
+            le_bytes(py, &e.ids)?,
+            le_bytes(py, &e.lengths)?,
+            e.empty,
+            e.text_bytes,
+        ))
     }
 }
 

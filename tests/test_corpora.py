@@ -23,6 +23,11 @@ def cli(*args: str) -> int:
     return pack_shards([*args] if args[0] == "import" else [*args, "--no-progress"])
 
 
+def import_to(out: Path, *args) -> int:
+    """`pack-shards import ARGS... -o OUT` (paths or strings)."""
+    return cli("import", *map(str, args), "-o", str(out))
+
+
 def byte_docs(out: Path) -> list[str]:
     """Documents of a dataset packed with the byte tokenizer, as text (EOS dropped)."""
     return [bytes(d[:-1].astype(np.uint8)).decode() for d in read_all_documents(out)]
@@ -123,17 +128,7 @@ def test_import_nanogpt_bin_splits_after_eot(tmp_path):
     docs = gpt2_like_docs(rng, 200, 50256)
     stream = [t for d in docs for t in d + [50256]]  # prepare.py: ids, then <|endoftext|>
     np.array(stream, dtype="<u2").tofile(tmp_path / "train.bin")
-    assert (
-        cli(
-            "import",
-            str(tmp_path / "train.bin"),
-            "-o",
-            str(tmp_path / "ds"),
-            "--vocab-size",
-            "50257",
-        )
-        == 0
-    )
+    assert import_to(tmp_path / "ds", tmp_path / "train.bin", "--vocab-size", 50257) == 0
     got = [d.tolist() for d in read_all_documents(tmp_path / "ds")]
     assert got == [d + [50256] for d in docs]
     m = read_manifest(tmp_path / "ds")
@@ -158,8 +153,8 @@ def test_import_llmc_shards_split_before_eot_and_across_files(tmp_path, monkeypa
     cut = len(stream) // 2 + 7  # llm.c shards cut mid-document
     write_llmc(tmp_path / "fw_000000.bin", stream[:cut], 20240520, "<u2")
     write_llmc(tmp_path / "fw_000001.bin", stream[cut:], 20240520, "<u2")
-    files = [str(tmp_path / "fw_000000.bin"), str(tmp_path / "fw_000001.bin")]
-    assert cli("import", *files, "-o", str(tmp_path / "ds"), "--vocab-size", "50257") == 0
+    files = [tmp_path / "fw_000000.bin", tmp_path / "fw_000001.bin"]
+    assert import_to(tmp_path / "ds", *files, "--vocab-size", 50257) == 0
     got = [d.tolist() for d in read_all_documents(tmp_path / "ds")]
     assert got == [[50256] + d for d in docs]
 
@@ -167,12 +162,7 @@ def test_import_llmc_shards_split_before_eot_and_across_files(tmp_path, monkeypa
 def test_import_llmc_llama3_uint32(tmp_path):
     docs = [[128000, 5, 100_000, 7], [128000, 128_255]]
     write_llmc(tmp_path / "l3.bin", [t for d in docs for t in d], 20240801, "<u4")
-    assert (
-        cli(
-            "import", str(tmp_path / "l3.bin"), "-o", str(tmp_path / "ds"), "--vocab-size", "128256"
-        )
-        == 0
-    )
+    assert import_to(tmp_path / "ds", tmp_path / "l3.bin", "--vocab-size", 128256) == 0
     assert [d.tolist() for d in read_all_documents(tmp_path / "ds")] == docs
     assert read_manifest(tmp_path / "ds")["dtype"] == "uint32"
 
@@ -197,31 +187,25 @@ def test_import_megatron_indexed_dataset(tmp_path, dtype, code):
     docs = [[rng.integers(0, 30_000, rng.integers(1, 40)).tolist() for _ in range(rng.integers(1, 4))]
             for _ in range(150)]  # fmt: skip
     write_megatron(tmp_path / "corpus_text_document", docs, dtype, code)
-    assert cli("import", str(tmp_path / "corpus_text_document.bin"), "-o", str(tmp_path / "ds"),
-               "--vocab-size", "32000") == 0  # fmt: skip
+    src = tmp_path / "corpus_text_document.bin"
+    assert import_to(tmp_path / "ds", src, "--vocab-size", 32000) == 0
     got = [d.tolist() for d in read_all_documents(tmp_path / "ds")]
     assert got == [[t for s in d for t in s] for d in docs]
 
 
 def test_import_errors_are_one_line_and_write_nothing(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:  # argparse: usage error, exit 2
-        cli("import", str(tmp_path / "x.bin"), "-o", str(tmp_path / "ds"), "--zstd-level", "99")
+        import_to(tmp_path / "ds", tmp_path / "x.bin", "--zstd-level", 99)
     assert e.value.code == 2 and "--zstd-level 99 is outside" in capsys.readouterr().err
     write_llmc(tmp_path / "x.bin", [1, 2, 3], 20240520, "<u2")
     with open(tmp_path / "x.bin", "ab") as f:
         f.write(b"\x00\x00")  # one id more than the header says
-    assert (
-        cli("import", str(tmp_path / "x.bin"), "-o", str(tmp_path / "ds"), "--vocab-size", "50257")
-        == 1
-    )
+    assert import_to(tmp_path / "ds", tmp_path / "x.bin", "--vocab-size", 50257) == 1
     assert "header says 3 tokens" in capsys.readouterr().err
     np.array([1, 2, 60_000], dtype="<u2").tofile(tmp_path / "y.bin")
-    assert (
-        cli("import", str(tmp_path / "y.bin"), "-o", str(tmp_path / "ds"), "--vocab-size", "50257")
-        == 1
-    )
+    assert import_to(tmp_path / "ds", tmp_path / "y.bin", "--vocab-size", 50257) == 1
     assert "id 60000 is outside the vocabulary" in capsys.readouterr().err
-    assert cli("import", str(tmp_path / "y.bin"), "-o", str(tmp_path / "ds")) == 1
+    assert import_to(tmp_path / "ds", tmp_path / "y.bin") == 1
     assert "--vocab-size" in capsys.readouterr().err
     assert not (tmp_path / "ds").exists()
     assert not any(p.name.startswith(".ds.tmp") for p in tmp_path.iterdir())
@@ -235,17 +219,7 @@ def test_import_with_a_tokenizer_copies_it_and_uses_its_eos(tmp_path, bpe_tokeni
     texts = ["def f(x):\n    return x\n", "import os\n"]
     stream = [t for s in texts for t in tok.encode(s).ids + [eos]]
     np.array(stream, dtype="<u2").tofile(tmp_path / "t.bin")
-    assert (
-        cli(
-            "import",
-            str(tmp_path / "t.bin"),
-            "-o",
-            str(tmp_path / "ds"),
-            "--tokenizer",
-            str(bpe_tokenizer_file),
-        )
-        == 0
-    )
+    assert import_to(tmp_path / "ds", tmp_path / "t.bin", "--tokenizer", bpe_tokenizer_file) == 0
     dec = Tokenizer.from_file(str(tmp_path / "ds" / "tokenizer.json"))
     assert [dec.decode(d[:-1].tolist()) for d in read_all_documents(tmp_path / "ds")] == texts
     assert json.loads((tmp_path / "ds" / "manifest.json").read_text())["tokenizer"]["eos_id"] == eos
