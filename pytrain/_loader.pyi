@@ -4,6 +4,8 @@ from typing import Any, final
 
 from typing_extensions import Self
 
+from pytrain.config import LoaderConfig
+
 __all__ = [
     "FORMAT_VERSION", "LoaderError", "CorruptShardError", "ManifestError", "StateError",
     "ShardWriter", "Encoder", "Dataset", "Loader", "ReadyBatch", "write_synthetic",
@@ -97,24 +99,11 @@ class Loader:
         cls,
         dataset: Dataset,
         slots: list[tuple[Any, Any]],
+        config: LoaderConfig,
         *,
-        mode: str,
-        seq_len: int,
-        batch_size: int,
-        bucket_lengths: list[int],
-        token_budget: int,
-        strategy: str,
-        seed: int,
-        shuffle: bool,
-        rank: int,
-        world_size: int,
-        frames_per_block: int,
-        num_epochs: int | None,
-        threads: int,
-        prefetch_blocks: int,
-        skip_corrupt: bool = ...,
         state: dict[str, Any] | None = None,
-    ) -> Self: ...
+    ) -> Self:
+        """`config`: pytrain.config.LoaderConfig, read by attribute name."""
     def next(self) -> ReadyBatch | None:
         """The next filled slot, or None after the last epoch. Slots are (tokens, doc_ids)
         CPU tensors: tokens of the dataset's width (uint16 or int32), doc_ids int32."""

@@ -44,24 +44,64 @@ def parse_bool(text: str) -> bool:
     )
 
 
+def _not_a_flag(default=dataclasses.MISSING, **kw):
+    """A loader setting the trainer sets itself (rank, world size, ...): no flag, no TOML key."""
+    return field(default=default, metadata={"flag": False}, **kw)
+
+
 @dataclass
-class DataConfig:
-    path: str = ""
-    """Training dataset directory; empty builds (once) and uses the embedded default."""
-    val_path: str = ""
-    """Validation dataset directory (the embedded default has its own held-out split)."""
+class LoaderConfig:
+    """How batches are cut: the one definition of the loader's settings and their
+    defaults (`TokenLoader`, the Rust loader and the trainer's `[data]` section all read
+    this). Everything but `threads`, `prefetch_blocks`, `slots` and `pin_memory` changes
+    the batches and is checked against a saved state."""
+
     mode: str = "pack"
-    """'pack' or 'bucket' (see pytrain.data.LoaderConfig)."""
+    """'pack': rows of seq_len+1 tokens filled with whole documents (cut only when longer
+    than a row). 'bucket': one document per row, rows grouped by length bucket."""
     seq_len: int = 256
     batch_size: int = 16
     """Rows per micro-batch (pack mode)."""
     strategy: str = "best_fit"
+    """Packing: 'best_fit' (best-fit decreasing) or 'concat' (concatenate and split)."""
     bucket_lengths: list[int] = field(default_factory=lambda: [64, 128, 256])
     token_budget: int = 4096
+    """Bucket mode: tokens per batch; a batch of bucket L has token_budget // L rows."""
     seed: int = 1234
-    threads: int = 2
-    slots: int = 4
+    shuffle: bool = True
     frames_per_block: int = 4
+    """Frames whose documents are shuffled and packed together (memory ~ 2 MiB each)."""
+    threads: int = 2
+    prefetch_blocks: int = 0
+    """Blocks decoded ahead; 0 means 2 per thread."""
+    slots: int = 4
+    """Batches buffered ahead of the consumer."""
+    skip_corrupt: bool = False
+    """Leave out frames that fail their checksum (counted in stats()["frames_skipped"])
+    instead of raising CorruptShardError."""
+    num_epochs: int | None = _not_a_flag(None)
+    """Stop after this many epochs; None streams epoch after epoch."""
+    pin_memory: bool | None = _not_a_flag(None)
+    """None: pin when CUDA is available."""
+    rank: int = _not_a_flag(0)
+    world_size: int = _not_a_flag(1)
+
+    def batch_shapes(self) -> list[tuple[int, int]]:
+        """Every (rows, seq_len) a batch can have: one in pack mode, one per bucket (a
+        batch of bucket L has max(1, token_budget // L) rows of L + 1 tokens)."""
+        if self.mode == "pack":
+            return [(self.batch_size, self.seq_len)]
+        return [(max(1, self.token_budget // n), n) for n in sorted(self.bucket_lengths)]
+
+
+@dataclass
+class DataConfig(LoaderConfig):
+    """The trainer's `[data]` section: the datasets, and the loader settings."""
+
+    path: str = ""
+    """Training dataset directory; empty builds (once) and uses the embedded default."""
+    val_path: str = ""
+    """Validation dataset directory (the embedded default has its own held-out split)."""
 
 
 @dataclass
@@ -158,6 +198,8 @@ def _flatten(cls, prefix: str = "") -> list[tuple[str, dataclasses.Field, type]]
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         t = hints[f.name]
+        if f.metadata.get("flag", True) is False:
+            continue
         if dataclasses.is_dataclass(t):
             out += _flatten(t, f"{prefix}{f.name}.")
         else:

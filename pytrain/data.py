@@ -12,9 +12,10 @@ it yields exactly the batches an uninterrupted run would have produced next."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -24,6 +25,7 @@ import torch
 
 from pytrain import _loader
 from pytrain._loader import CorruptShardError, LoaderError, ManifestError, StateError
+from pytrain.config import LoaderConfig
 
 __all__ = [
     "TokenLoader",
@@ -40,48 +42,6 @@ __all__ = [
     "ManifestError",
     "StateError",
 ]
-
-
-@dataclass
-class LoaderConfig:
-    """How batches are cut. Everything but `threads`, `prefetch_blocks` and `slots`
-    changes the batches and is checked against a saved state."""
-
-    mode: str = "pack"
-    """'pack': rows of seq_len+1 tokens filled with whole documents (cut only when longer
-    than a row). 'bucket': one document per row, rows grouped by length bucket."""
-    seq_len: int = 1024
-    batch_size: int = 8
-    strategy: str = "best_fit"
-    """Packing: 'best_fit' (best-fit decreasing) or 'concat' (concatenate and split)."""
-    bucket_lengths: Sequence[int] = (128, 256, 512, 1024, 2048)
-    token_budget: int = 16384
-    """Bucket mode: tokens per batch; a batch of bucket L has token_budget // L rows."""
-    seed: int = 0
-    shuffle: bool = True
-    frames_per_block: int = 4
-    """Frames whose documents are shuffled and packed together (memory ~ 2 MiB each)."""
-    num_epochs: int | None = None
-    """Stop after this many epochs; None streams epoch after epoch."""
-    threads: int = 2
-    prefetch_blocks: int = 0
-    """Blocks decoded ahead; 0 means 2 per thread."""
-    slots: int = 4
-    """Batches buffered ahead of the consumer."""
-    pin_memory: bool | None = None
-    """None: pin when CUDA is available."""
-    rank: int = 0
-    world_size: int = 1
-    skip_corrupt: bool = False
-    """Leave out frames that fail their checksum (counted in stats()["frames_skipped"])
-    instead of raising CorruptShardError."""
-
-    def batch_shapes(self) -> list[tuple[int, int]]:
-        """Every (rows, seq_len) a batch can have: one in pack mode, one per bucket (a
-        batch of bucket L has max(1, token_budget // L) rows of L + 1 tokens)."""
-        if self.mode == "pack":
-            return [(self.batch_size, self.seq_len)]
-        return [(max(1, self.token_budget // n), n) for n in sorted(self.bucket_lengths)]
 
 
 def position_ids(doc_ids: torch.Tensor) -> torch.Tensor:
@@ -299,11 +259,11 @@ class TokenLoader:
 
     def __init__(self, path: str | Path, config: LoaderConfig | None = None, **overrides):
         self.path = Path(path)
-        self.config = config or LoaderConfig()
-        for k, v in overrides.items():
-            if not hasattr(self.config, k):
-                raise TypeError(f"TokenLoader has no option {k!r}")
-            setattr(self.config, k, v)
+        config = config or LoaderConfig()
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(config)})
+        if unknown:
+            raise TypeError(f"TokenLoader has no option {unknown[0]!r}")
+        self.config = dataclasses.replace(config, **overrides)
         self.dataset = _loader.Dataset(str(self.path))
         self._inner: _loader.Loader | None = None
         self._state: dict | None = None
@@ -333,26 +293,7 @@ class TokenLoader:
         self._keep = max(1, c.slots - 1)  # the consumer may hold all slots but one
         self._landing: deque[tuple[HostBatch, CopyEvent]] = deque()  # copies in flight
         self._inner = None  # stop the old threads before starting new ones
-        self._inner = _loader.Loader(
-            self.dataset,
-            self._slots,
-            mode=c.mode,
-            seq_len=c.seq_len,
-            batch_size=c.batch_size,
-            bucket_lengths=sorted(c.bucket_lengths),
-            token_budget=c.token_budget,
-            strategy=c.strategy,
-            seed=c.seed,
-            shuffle=c.shuffle,
-            rank=c.rank,
-            world_size=c.world_size,
-            frames_per_block=c.frames_per_block,
-            num_epochs=c.num_epochs,
-            threads=c.threads,
-            prefetch_blocks=c.prefetch_blocks or 2 * c.threads,
-            skip_corrupt=c.skip_corrupt,
-            state=self._state,
-        )
+        self._inner = _loader.Loader(self.dataset, self._slots, c, state=self._state)
 
     def __iter__(self) -> Iterator[HostBatch]:
         return self

@@ -191,24 +191,9 @@ class Trainer:
         """The training loader (this rank's part of an endless shuffled stream), or for
         evaluation the validation set in its stored order, once, the same on every rank."""
         d = self.cfg.data
-        loader = TokenLoader(
-            path,
-            mode=d.mode,
-            seq_len=d.seq_len,
-            batch_size=d.batch_size,
-            strategy=d.strategy,
-            bucket_lengths=tuple(d.bucket_lengths),
-            token_budget=d.token_budget,
-            seed=d.seed,
-            shuffle=not eval_mode,
-            num_epochs=1 if eval_mode else None,
-            threads=1 if eval_mode else d.threads,
-            slots=2 if eval_mode else d.slots,
-            frames_per_block=d.frames_per_block,
-            rank=0 if eval_mode else self.dist.rank,
-            world_size=1 if eval_mode else self.dist.world_size,
-        )
-        return loader
+        if eval_mode:
+            return TokenLoader(path, d, shuffle=False, num_epochs=1, threads=1, slots=2)
+        return TokenLoader(path, d, rank=self.dist.rank, world_size=self.dist.world_size)
 
     # ---- checkpoints ----------------------------------------------------------------------
     def _state(self) -> dict:

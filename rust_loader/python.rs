@@ -350,6 +350,60 @@ impl PyReadyBatch {
     }
 }
 
+/// The Rust loader's configuration from a Python `LoaderConfig` (attributes by name).
+fn loader_config(c: &Bound<'_, PyAny>) -> PyResult<LoaderConfig> {
+    fn get<'py, T: FromPyObjectOwned<'py>>(c: &Bound<'py, PyAny>, name: &str) -> PyResult<T> {
+        let v = c.getattr(name)?;
+        v.extract().map_err(|_| {
+            PyValueError::new_err(format!("loader setting {name}: unexpected value {v}"))
+        })
+    }
+    let strategy = match get::<String>(c, "strategy")?.as_str() {
+        "best_fit" => PackStrategy::BestFit,
+        "concat" => PackStrategy::Concat,
+        s => {
+            return Err(PyValueError::new_err(format!(
+                "strategy {s:?} is not 'best_fit' or 'concat'"
+            )))
+        }
+    };
+    let mode = match get::<String>(c, "mode")?.as_str() {
+        "pack" => Mode::Pack {
+            seq_len: get(c, "seq_len")?,
+            batch_size: get(c, "batch_size")?,
+            strategy,
+        },
+        "bucket" => {
+            let mut lengths: Vec<usize> = get(c, "bucket_lengths")?;
+            lengths.sort_unstable();
+            Mode::Bucket(BucketSpec {
+                lengths,
+                token_budget: get(c, "token_budget")?,
+            })
+        }
+        m => {
+            return Err(PyValueError::new_err(format!(
+                "mode {m:?} is not 'pack' or 'bucket'"
+            )))
+        }
+    };
+    let threads: usize = get(c, "threads")?;
+    let prefetch: usize = get(c, "prefetch_blocks")?;
+    Ok(LoaderConfig {
+        mode,
+        seed: get(c, "seed")?,
+        shuffle: get(c, "shuffle")?,
+        rank: get(c, "rank")?,
+        world_size: get(c, "world_size")?,
+        frames_per_block: get(c, "frames_per_block")?,
+        num_epochs: get(c, "num_epochs")?,
+        threads,
+        // 0: two blocks ahead per thread.
+        prefetch_blocks: if prefetch == 0 { 2 * threads } else { prefetch },
+        skip_corrupt: get(c, "skip_corrupt")?,
+    })
+}
+
 #[pyclass(name = "Loader", module = "pytrain._loader", frozen)]
 struct PyLoader {
     inner: Loader,
@@ -357,69 +411,18 @@ struct PyLoader {
 
 #[pymethods]
 impl PyLoader {
+    /// `config` is `pytrain.config.LoaderConfig` (or any object with its attributes): the
+    /// settings and their defaults are defined there, once, and read here by name.
     #[new]
-    #[pyo3(signature = (dataset, slots, *, mode, seq_len, batch_size, bucket_lengths, token_budget,
-                        strategy, seed, shuffle, rank, world_size, frames_per_block, num_epochs,
-                        threads, prefetch_blocks, skip_corrupt=false, state=None))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (dataset, slots, config, *, state=None))]
     fn new(
         py: Python<'_>,
         dataset: &PyDataset,
         slots: Vec<Bound<'_, PyAny>>,
-        mode: &str,
-        seq_len: usize,
-        batch_size: usize,
-        bucket_lengths: Vec<usize>,
-        token_budget: usize,
-        strategy: &str,
-        seed: u64,
-        shuffle: bool,
-        rank: u64,
-        world_size: u64,
-        frames_per_block: u64,
-        num_epochs: Option<u64>,
-        threads: usize,
-        prefetch_blocks: usize,
-        skip_corrupt: bool,
+        config: &Bound<'_, PyAny>,
         state: Option<Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
-        let strategy = match strategy {
-            "best_fit" => PackStrategy::BestFit,
-            "concat" => PackStrategy::Concat,
-            s => {
-                return Err(PyValueError::new_err(format!(
-                    "strategy {s:?} is not 'best_fit' or 'concat'"
-                )))
-            }
-        };
-        let mode = match mode {
-            "pack" => Mode::Pack {
-                seq_len,
-                batch_size,
-                strategy,
-            },
-            "bucket" => Mode::Bucket(BucketSpec {
-                lengths: bucket_lengths,
-                token_budget,
-            }),
-            m => {
-                return Err(PyValueError::new_err(format!(
-                    "mode {m:?} is not 'pack' or 'bucket'"
-                )))
-            }
-        };
-        let config = LoaderConfig {
-            mode,
-            seed,
-            shuffle,
-            rank,
-            world_size,
-            frames_per_block,
-            num_epochs,
-            threads,
-            prefetch_blocks,
-            skip_corrupt,
-        };
+        let config = loader_config(config)?;
         let need = config.slot_elems();
         let width = dataset.inner.dtype.width();
         let mut bufs = Vec::with_capacity(slots.len());
