@@ -205,3 +205,115 @@ def load_cache_artifacts(path) -> bool:
         return torch.compiler.load_cache_artifacts(p.read_bytes()) is not None
     except Exception:  # a stale or foreign cache only costs a normal compile
         return False
+
+
+class CompiledModel:
+    """Everything about how the loss module runs compiled: the training and evaluation
+    modules, the level in force and why, the fallbacks taken, the graphs the warm-up
+    made, Inductor's cache artifacts, and the failure injection tests use. The trainer
+    calls `forward`, `fall_back` and `evaluate`; it never looks at a compile level."""
+
+    def __init__(self, module, eval_module, decision: CompileDecision, guard: bool, say):
+        self.module, self.eval_module = module, eval_module
+        self.mode, self.reason = decision.mode, decision.reason
+        self.eval_mode = self.mode
+        self.guard = guard
+        self.say = say
+        self.fallbacks: list[str] = []
+        self.expected_graphs = -1  # graphs compiled by the warm-up
+        self.inject_failure: tuple[int, str] | None = None
+        """(step, mode): raise a compile-like failure there (tests, scripts/compile_matrix.py)."""
+        self.train_fn = self.eval_fn = module
+
+    @property
+    def eager(self) -> bool:
+        return self.mode == "eager"
+
+    def state_dict(self) -> dict:
+        return {"compile_mode": self.mode, "fallbacks": list(self.fallbacks)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """A resumed run keeps the fallbacks and never retries a level that failed."""
+        self.fallbacks = list(state["fallbacks"])
+        if LEVELS.index(state["compile_mode"]) > LEVELS.index(self.mode):
+            self.mode = state["compile_mode"]
+            self.reason = (
+                "a previous run fell back to it after a failure (see fallbacks in the log)"
+            )
+
+    def start(self, coordinate_descent: bool, inductor: str, graphs: int) -> None:
+        """Sets Inductor's options and compiles both modules (after a resume has restored
+        the level). `graphs`: how many graphs (shapes x train/eval) must share one cache."""
+        if not self.eager:
+            if coordinate_descent:
+                import torch._inductor.config as inductor_config
+
+                inductor_config.coordinate_descent_tuning = True
+                self.reason += "; coordinate-descent tuning on"
+            if inductor:
+                self.reason += f"; Inductor options {', '.join(set_inductor_options(inductor))}"
+            ensure_graph_room(graphs)
+        self.train_fn = compile_model(self.module, self.mode)
+        # Evaluation runs compiled too (uncompiled FlexAttention materialises the scores),
+        # without CUDA graphs (a few batches now and then).
+        self.eval_mode = "default" if self.mode == "reduce-overhead" else self.mode
+        self.eval_fn = compile_model(self.eval_module, self.eval_mode)
+        self.say(f"compile: {self.mode} ({self.reason})")
+
+    def forward(self, step: int, *args):
+        if self.inject_failure == (step, self.mode):
+            raise InjectedCompileFailure(f"injected failure at step {step} ({self.mode})")
+        return self.train_fn(*args)
+
+    def _recoverable(self, e: BaseException, mode: str) -> bool:
+        return self.guard and is_compile_failure(e) and mode != "eager"
+
+    def fall_back(self, e: BaseException, step: int) -> str:
+        """After `e` failed a training step: re-raises it unless a lower level avoids it;
+        else drops one level, recompiles and returns the note that says so."""
+        if not self._recoverable(e, self.mode):
+            raise e
+        old, self.mode = self.mode, next_level(self.mode)
+        first = str(e).splitlines()[0][:200] if str(e) else ""
+        note = (
+            f"step {step}: {old} failed ({type(e).__name__}: {first}); falling back to {self.mode}"
+        )
+        self.say(f"compile fallback: {note}")
+        self.fallbacks.append(note)
+        self.train_fn = compile_model(self.module, self.mode)
+        return note
+
+    def evaluate(self, *args):
+        """The evaluation module's output; a compile failure drops evaluation one level."""
+        while True:
+            try:
+                return self.eval_fn(*args)
+            except Exception as e:
+                if not self._recoverable(e, self.eval_mode):
+                    raise
+                old, self.eval_mode = self.eval_mode, next_level(self.eval_mode)
+                self.say(
+                    f"compile fallback (evaluation): {old} failed ({type(e).__name__}); using {self.eval_mode}"
+                )
+                self.eval_fn = compile_model(self.eval_module, self.eval_mode)
+
+    def warm_up(self, cache_path, compile_all, is_main: bool) -> str:
+        """Runs `compile_all()` (every shape, before the timed loop) with Inductor's cache
+        artifacts loaded from and saved to `cache_path`; records the graphs it made."""
+        loaded = load_cache_artifacts(cache_path)
+        compile_all()
+        self.expected_graphs = compiled_graphs()
+        if is_main and not loaded:
+            save_cache_artifacts(cache_path)
+        return " (cache artifacts loaded)" if loaded else ""
+
+    def summary(self, check_recompiles: bool) -> tuple[int, str | None]:
+        """(graphs compiled in this process, a warning if training recompiled after the
+        warm-up)."""
+        graphs = 0 if self.eager else compiled_graphs()
+        if check_recompiles and 0 <= self.expected_graphs < graphs:
+            return graphs, (
+                f"warning: {graphs - self.expected_graphs} recompile(s) after warm-up ({graphs} graphs, warm-up made "
+                f"{self.expected_graphs}); shapes or guards changed during training (see TORCH_LOGS=recompiles)"
+            )
+        return graphs, None

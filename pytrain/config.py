@@ -104,6 +104,18 @@ class DataConfig(LoaderConfig):
     """Validation dataset directory (the embedded default has its own held-out split)."""
 
 
+def dataset_dir(path: str, flag: str) -> Path:
+    """`path` if it is a dataset made by pack-shards, else a ConfigError naming it."""
+    p = Path(path)
+    if not p.is_dir():
+        raise ConfigError(f"{flag} {path}: no such directory")
+    if not (p / "manifest.json").is_file():
+        raise ConfigError(
+            f"{flag} {path}: not a dataset made by pack-shards (no manifest.json in it)"
+        )
+    return p
+
+
 @dataclass
 class OptimConfig:
     lr: float = 2e-3

@@ -302,3 +302,24 @@ class GPT(nn.Module):
             if stop is not None and int(nxt) == stop:
                 break
         return ids
+
+
+class LossModule(nn.Module):
+    """What is compiled and wrapped: GPT plus the summed, masked loss."""
+
+    def __init__(self, gpt: GPT):
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, input_ids, targets, position_ids, loss_mask, mask):
+        return self.gpt.loss_sum(input_ids, targets, position_ids, loss_mask, mask)
+
+
+def checkpoint_every(spec: str) -> int:
+    if spec == "off":
+        return 0
+    if spec == "full":
+        return 1
+    if spec.startswith("every-") and spec[6:].isdigit() and int(spec[6:]) > 0:
+        return int(spec[6:])
+    raise ValueError(f"activation_checkpointing {spec!r} is not off, full or every-N")

@@ -43,6 +43,8 @@ def _main(argv: list[str] | None) -> int:
     from pytrain.trainer import Trainer
 
     t0 = time.perf_counter()
+    if not cfg.data.path:
+        use_default_dataset(cfg)
     trainer = Trainer(cfg)
     trainer.say(
         f"device {trainer.device} | precision {trainer.precision.name} | attention {trainer.attention} | "
@@ -59,6 +61,21 @@ def _main(argv: list[str] | None) -> int:
         final_report(trainer, result, time.perf_counter() - t0)
     trainer.close()
     return 0
+
+
+def use_default_dataset(cfg) -> None:
+    """Points cfg.data at the embedded default (Python's standard library, BPE-tokenized),
+    building it once: rank 0 builds, the others wait and then find it built."""
+    from pytrain import distributed
+    from pytrain.corpus import build_default
+
+    dist, _ = distributed.init(cfg.device)
+    say = print if dist.is_main else (lambda *a, **k: None)
+    if dist.is_main:
+        build_default(vocab_size=cfg.model.vocab_size, log=say)
+    distributed.barrier(dist)
+    train, val = build_default(vocab_size=cfg.model.vocab_size, log=say)
+    cfg.data.path, cfg.data.val_path = str(train), str(val)
 
 
 if __name__ == "__main__":

@@ -211,7 +211,7 @@ def test_compiled_model_with_fused_ce_matches_unfused():
 def test_cuda_graphs_with_gradient_accumulation_match_default_compile(tmp_path=None):
     """CUDA graphs (reduce-overhead) with 2 micro-batches per step: no fallback, and the
     losses of the default compile mode (fp32 parameters: the gradients kept as tensors
-    between micro-steps, see Trainer._zero_grads, pytorch/pytorch#169545 without it; bf16
+    between micro-steps, see OptimizerStep.zero_grads, pytorch/pytorch#169545 without it; bf16
     parameters with fp32 masters: each micro-batch's gradients summed into fp32 at once)."""
     from pytrain.config import parse_args
     from pytrain.trainer import Trainer
@@ -235,7 +235,7 @@ def test_cuda_graphs_with_gradient_accumulation_match_default_compile(tmp_path=N
         )  # fmt: skip
         t = Trainer(cfg)
         losses[mode, master] = t.fit()["losses"]
-        assert t.compile_mode == mode and not t.fallbacks, (mode, t.fallbacks)
+        assert t.compiler.mode == mode and not t.compiler.fallbacks, (mode, t.compiler.fallbacks)
         t.close()
     want = losses["default", "off"]
     for run in runs[::2]:  # CUDA graphs with fp32 parameters, and with bf16 + fp32 masters

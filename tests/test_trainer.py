@@ -156,11 +156,11 @@ def test_compile_failure_falls_back_and_reruns_the_same_step(small_corpus, tmp_p
     t = Trainer(small_cfg(small_corpus, tmp_path / "fb", "--max_steps", "4"))
     # Pretend a compiled level is active (real compilation is covered on the GPU by
     # scripts/compile_matrix.py); the injected failure takes the real fallback path.
-    t.compile_mode = "default"
-    t.inject_compile_failure = (2, "default")
+    t.compiler.mode = "default"
+    t.compiler.inject_failure = (2, "default")
     got = t.fit()
     assert got["losses"] == want  # step 2 rerun in eager: same loss, no double update
-    assert t.compile_mode == "eager"
+    assert t.compiler.mode == "eager"
     assert len(got["fallbacks"]) == 1 and "step 2: default failed" in got["fallbacks"][0]
     state = torch.load(
         sorted((tmp_path / "fb" / "runs" / "t").glob("ckpt-*.pt"))[-1], weights_only=False
@@ -179,7 +179,7 @@ def test_compile_failure_falls_back_and_reruns_the_same_step(small_corpus, tmp_p
             "--compile",
         )
     )
-    assert again.compile_mode == "eager"
+    assert again.compiler.mode == "eager"
     again.close()
 
 
@@ -241,7 +241,7 @@ def test_warm_up_visits_every_bucket_shape_without_touching_data_or_rng(small_co
     t._forward_backward = lambda batches, denom: (
         seen.append(tuple(batches[0].input_ids.shape)) or real(batches, denom)
     )
-    t.compile_mode = "default"  # pretend compiled, so the warm-up runs (the module stays eager)
+    t.compiler.mode = "default"  # pretend compiled, so the warm-up runs (the module stays eager)
     got = t.fit()["losses"]
     assert seen[:3] == [(16, 16), (8, 32), (4, 64)]
     assert got == want  # no batch consumed, no RNG drawn, no update applied
