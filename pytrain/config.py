@@ -22,7 +22,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib  # type: ignore[import-not-found,no-redef,unused-ignore]
 
-from pytrain.model_config import ModelConfig
+from pytrain.model.config import ModelConfig
 
 TRUE_WORDS = {"1", "true", "yes", "on"}
 FALSE_WORDS = {"0", "false", "no", "off"}
@@ -130,7 +130,7 @@ class OptimConfig:
     grad_accum: int = 1
     master_weights: str = "auto"
     """Keep the parameters in bf16 and their fp32 copies in the optimizer
-    (pytrain.master_adamw): 'auto' (on for bf16 on CUDA in one process), 'on', 'off'
+    (pytrain.optim.master_adamw): 'auto' (on for bf16 on CUDA in one process), 'on', 'off'
     (fp32 parameters under autocast)."""
     spike_factor: float = 4.0
     """Skip a step whose loss exceeds this multiple of the running mean (0 disables)."""
@@ -198,7 +198,7 @@ class TrainConfig:
     tensorboard: bool = True
     profile_steps: str = ""
     """'A:B' records steps A..B-1 with torch.profiler: runs/<name>/profile/ gets a Chrome
-    trace and a table of kernel times per step (pytrain/profiling.py). Empty: off."""
+    trace and a table of kernel times per step (pytrain/train/profiling.py). Empty: off."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -21,7 +21,7 @@ import os
 import sys
 from pathlib import Path
 
-from pytrain.inputs import BAD_INPUT_POLICIES
+from pytrain.data.inputs import BAD_INPUT_POLICIES
 
 EXIT_INPUT, EXIT_USAGE, EXIT_EXISTS, EXIT_CORRUPT = 1, 2, 3, 4
 
@@ -143,9 +143,9 @@ def pack_main(argv: list[str]) -> int:
     if args.eos_token is not None and not args.eos:
         parser.error("--eos-token names the token --no-eos leaves out; give one or the other")
     _set_workers(args.workers)
-    from pytrain.inputs import BadInputs, InputError, ReadOptions
-    from pytrain.shards import DatasetExistsError, PackOptions, iter_documents, pack
-    from pytrain.tokenizer import TokenizerError
+    from pytrain.data.inputs import BadInputs, InputError, ReadOptions
+    from pytrain.data.shards import DatasetExistsError, PackOptions, iter_documents, pack
+    from pytrain.data.tokenizer import TokenizerError
 
     opts = PackOptions(
         tokenizer=args.tokenizer,
@@ -242,7 +242,7 @@ def verify_main(argv: list[str]) -> int:
     p.add_argument("dataset", type=Path)
     args = p.parse_args(argv)
     from pytrain import _loader
-    from pytrain.shards import verify
+    from pytrain.data.shards import verify
 
     try:
         r = verify(args.dataset)
@@ -264,7 +264,7 @@ def inspect_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     import numpy as np
 
-    from pytrain.shards import doc_lengths, read_manifest
+    from pytrain.data.shards import doc_lengths, read_manifest
 
     m = read_manifest(args.dataset)
     tk = m["tokenizer"]
@@ -326,7 +326,7 @@ def inspect_main(argv: list[str]) -> int:
 
 
 def import_main(argv: list[str]) -> int:
-    from pytrain.pretokenized import FORMATS
+    from pytrain.data.pretokenized import FORMATS
 
     p = argparse.ArgumentParser(
         prog="pack-shards import",
@@ -363,10 +363,10 @@ def import_main(argv: list[str]) -> int:
     _add_output_args(p, progress=False)
     args = p.parse_args(argv)
     _check_zstd_level(p, args.zstd_level)
-    from pytrain.inputs import InputError
-    from pytrain.pretokenized import import_dataset
-    from pytrain.shards import DatasetExistsError
-    from pytrain.tokenizer import TokenizerError
+    from pytrain.data.inputs import InputError
+    from pytrain.data.pretokenized import import_dataset
+    from pytrain.data.shards import DatasetExistsError
+    from pytrain.data.tokenizer import TokenizerError
 
     try:
         r = import_dataset(

@@ -1,5 +1,5 @@
 //! PyO3 bindings, built by maturin as `pytrain._loader`. This layer only converts types
-//! and errors; the public Python API is `pytrain.data` and `pytrain.shards`.
+//! and errors; the public Python API is `pytrain.data` and `pytrain.data.shards`.
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 

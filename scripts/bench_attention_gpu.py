@@ -5,7 +5,7 @@ FlashAttention-4 (flash-attn-4, where installed) causal and over document segmen
 
     python scripts/bench_attention_gpu.py [--batch 12] [--seq 1024] [--heads 12] [--head-dim 64]
 
-q, k, v are strided views of one qkv projection, as in pytrain.model, so each kernel sees the
+q, k, v are strided views of one qkv projection, as in pytrain.model.gpt, so each kernel sees the
 layout it gets in training. TFLOP/s counts the causal half of the score matrix (for the
 document-masked rows too, which compute less: their figure is the causal work's rate):
 4 * B * H * T^2 * D / 2 for the forward, 2.5x that for the backward. Prints a table last."""
@@ -19,7 +19,7 @@ import sys
 import torch
 
 from pytrain import data
-from pytrain.model import sdpa
+from pytrain.model.gpt import sdpa
 
 
 def qkv(b: int, t: int, h: int, d: int) -> tuple[torch.Tensor, ...]:
@@ -101,7 +101,7 @@ def main() -> int:
     results["flex (compiled), document mask"] = timed(
         lambda: flex(q, k, v, block_mask=dmask), x, args.iters
     )
-    from pytrain import flash4
+    from pytrain.model import flash4
 
     if flash4.available():
         # (B, T, H, D) views of the same projection: FA4's own layout, no transpose.

@@ -1,4 +1,4 @@
-"""The fused cross-entropy kernel (pytrain.fused_ce) on the GPU: block size and warps,
+"""The fused cross-entropy kernel (pytrain.model.fused_ce) on the GPU: block size and warps,
 against torch's compiled cross-entropy forward + backward over the same logits.
 
     python scripts/bench_ce_gpu.py [--tokens 12288] [--vocab 50304]
@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from pytrain import fused_ce  # noqa: E402
+from pytrain.model import fused_ce  # noqa: E402
 
 
 def time_ms(fn, reps: int = 30) -> float:

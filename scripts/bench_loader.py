@@ -90,13 +90,13 @@ def flat_tokens(path: Path, out: Path) -> np.memmap:
 
 def recompress(src: Path, dst: Path, level: int) -> None:
     """The documents of `src` written again with frames at zstd `level`."""
-    from pytrain.shards import (
+    from pytrain.data.shards import (
         PackOptions,
         document_batches,
         read_all_documents,
         write_dataset,
     )
-    from pytrain.tokenizer import TokenizerInfo
+    from pytrain.data.tokenizer import TokenizerInfo
 
     m = json.loads((src / "manifest.json").read_text())
     info = TokenizerInfo.from_manifest(m["tokenizer"])

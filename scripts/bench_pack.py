@@ -119,7 +119,7 @@ def main() -> int:
     if tokenizer is None:
         tokenizer = str(args.work / f"bpe{args.vocab}.json")
         if not Path(tokenizer).exists():
-            from pytrain.tokenizer import train_bpe
+            from pytrain.data.tokenizer import train_bpe
 
             texts = [json.loads(line)["text"] for line in open(files[0], "rb")]
             train_bpe(texts, args.vocab).save(tokenizer)

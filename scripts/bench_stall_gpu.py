@@ -29,7 +29,7 @@ from bench_loader import ShardWindows, flat_tokens  # noqa: E402
 
 from pytrain import _loader  # noqa: E402
 from pytrain.data import DeviceFeed, TokenLoader  # noqa: E402
-from pytrain.model import GPT, ModelConfig  # noqa: E402
+from pytrain.model.gpt import GPT, ModelConfig  # noqa: E402
 
 VOCAB = 50257
 

@@ -147,7 +147,7 @@ def default_dataset(work: Path) -> tuple[Path, Path]:
     root = work / "cache" / "stdlib-bpe4096"
     if not (root / "val" / "manifest.json").exists():
         env = {"PYTRAIN_CACHE": str(work / "cache")}
-        code = "from pytrain.corpus import build_default; build_default()"
+        code = "from pytrain.data.corpus import build_default; build_default()"
         subprocess.run([PY, "-c", code], check=True, cwd=ROOT, env={**os.environ, **env})
     return root / "train", root / "val"
 

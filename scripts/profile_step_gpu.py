@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench_train_gpu import synthetic_dataset  # noqa: E402 (scripts/ is sys.path[0])
 
-from pytrain.profiling import StepProfiler, format_summary  # noqa: E402
+from pytrain.train.profiling import StepProfiler, format_summary  # noqa: E402
 
 
 def profile_ours(data: Path, out: Path, batch: int, flags: list[str]) -> dict:

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pytrain.shards import PackOptions, document_batches, write_dataset
-from pytrain.tokenizer import TokenizerInfo, train_bpe
+from pytrain.data.shards import PackOptions, document_batches, write_dataset
+from pytrain.data.tokenizer import TokenizerInfo, train_bpe
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 

@@ -7,14 +7,14 @@ import sys
 import torch
 
 from pytrain.config import parse_args
-from pytrain.trainer import Trainer
+from pytrain.train.trainer import Trainer
 
 out = sys.argv[1]
 cfg = parse_args(sys.argv[2:])
 t = Trainer(cfg)
 batches = [next(t.loader).to("cpu") for _ in range(cfg.optim.grad_accum)]
 n = sum(int(b.loss_mask.sum()) for b in batches)
-from pytrain import distributed  # noqa: E402
+from pytrain.train import distributed  # noqa: E402
 
 denom = distributed.all_sum(n, t.dist, t.device)
 t.optimizer.zero_grad()

@@ -1,13 +1,13 @@
 """A consumer cannot leak a loader slot: every slot taken is given back on every path
 (early stops, exceptions), also when the device copy is asynchronous, as on CUDA, where
 the slot may be reused only after the copy has landed. The copy in flight is simulated
-on the CPU by replacing `pytrain.data._copy` with one that reports a pending event."""
+on the CPU by replacing `pytrain.data.batch._copy` with one that reports a pending event."""
 
 from __future__ import annotations
 
 import pytest
 
-from pytrain import data
+from pytrain.data import batch as data
 from pytrain.data import DeviceFeed, TokenLoader
 
 
@@ -118,7 +118,7 @@ def test_evaluation_releases_its_slots_with_copies_in_flight(
     several times in a row, and training goes on."""
     from test_trainer import small_cfg
 
-    from pytrain.trainer import Trainer
+    from pytrain.train.trainer import Trainer
 
     cfg = small_cfg(
         small_corpus, tmp_path, "--eval_every", "2", "--eval_batches", "3", "--max_steps", "6"

@@ -83,7 +83,7 @@ def test_env_guards_are_set_before_torch_is_imported(tmp_path):
     code = (
         "import sys, os\n"
         "from pytrain.config import parse_args\n"
-        "from pytrain.env_guards import apply_safe_env\n"
+        "from pytrain.train.env_guards import apply_safe_env\n"
         "cfg = parse_args([])\n"
         "assert 'torch' not in sys.modules, 'config imported torch'\n"
         "apply_safe_env(None)\n"
@@ -114,7 +114,7 @@ def test_env_guards_are_set_before_torch_is_imported(tmp_path):
 def test_inductor_options_are_set_checked_and_skipped_when_unknown():
     import torch._inductor.config as inductor_config
 
-    from pytrain.compile_policy import set_inductor_options
+    from pytrain.train.compile_policy import set_inductor_options
 
     before = inductor_config.triton.descriptive_names
     try:

@@ -14,8 +14,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from pytrain.data.shards import read_all_documents, read_manifest
 from pytrain.pack_shards import main as pack_shards
-from pytrain.shards import read_all_documents, read_manifest
 
 
 def cli(*args: str) -> int:
@@ -37,7 +37,7 @@ def byte_docs(out: Path) -> list[str]:
 
 
 def test_parquet_many_row_groups_text_among_other_columns(tmp_path, monkeypatch):
-    import pytrain.inputs as inputs
+    import pytrain.data.inputs as inputs
 
     texts = [f"row {i} " + "word " * (i % 13) for i in range(5_000)]
     table = pa.table({
@@ -144,7 +144,7 @@ def write_llmc(path: Path, tokens: list[int], magic: int, dtype: str) -> None:
 
 
 def test_import_llmc_shards_split_before_eot_and_across_files(tmp_path, monkeypatch):
-    import pytrain.pretokenized as pt
+    import pytrain.data.pretokenized as pt
 
     monkeypatch.setattr(pt, "CHUNK_TOKENS", 1000)  # documents also cross read chunks
     rng = np.random.default_rng(1)

@@ -15,7 +15,7 @@ import torch
 from test_trainer import small_cfg
 
 from pytrain.data import DeviceBatch
-from pytrain.trainer import Trainer
+from pytrain.train.trainer import Trainer
 
 
 def cfg_args(small_corpus, tmp_path):

@@ -1,4 +1,4 @@
-"""pytrain.fused_ce: the output layer + cross-entropy op against torch's own, on CPU
+"""pytrain.model.fused_ce: the output layer + cross-entropy op against torch's own, on CPU
 (the torch path), and its Triton kernel against the torch path through Triton's
 interpreter (TRITON_INTERPRET=1, in a subprocess: the variable is read at import)."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pytrain import fused_ce
-from pytrain.model import GPT, ModelConfig
+from pytrain.model import fused_ce
+from pytrain.model.gpt import GPT, ModelConfig
 from tests.triton_interpreter import assert_passes_in_interpreter
 
 
@@ -87,7 +87,7 @@ KERNEL_CHECK = textwrap.dedent(
     """
     import torch
     import torch.nn.functional as F
-    from pytrain import fused_ce
+    from pytrain.model import fused_ce
     g = torch.Generator().manual_seed(0)
     for dtype, v, block in ((torch.float32, 301, 0), (torch.float32, 1000, 256),
                             (torch.bfloat16, 1000, 128), (torch.bfloat16, 37, 0)):

@@ -20,7 +20,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def fa4_available() -> bool:
-    from pytrain import flash4
+    from pytrain.model import flash4
 
     return flash4.available()
 
@@ -64,7 +64,7 @@ def test_cuda_copy_equals_cpu_preparation(tmp_path: Path | None = None):
 def test_fused_adamw_skips_a_step_the_guard_marks_bad_without_a_sync():
     """The trainer's skip on CUDA: StepGuard.check decides on the device and the fused
     AdamW, given that decision as found_inf, leaves weights, moments and step alone."""
-    from pytrain.guard import StepGuard
+    from pytrain.train.guard import StepGuard
 
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(64, 64, device="cuda"))
@@ -102,8 +102,8 @@ def packed_doc_ids(rows: int, width: int, seed: int) -> torch.Tensor:
 def test_fa4_segments_equal_document_masked_sdpa():
     """FA4 over document segments against SDPA with the boolean document mask: outputs
     and q/k/v gradients agree to bf16 accuracy; so does plain causal FA4."""
-    from pytrain import flash4
-    from pytrain.model import document_mask
+    from pytrain.model import flash4
+    from pytrain.model.gpt import document_mask
 
     B, T, H, D = 3, 1024, 4, 64
     doc = packed_doc_ids(B, T, seed=0)
@@ -131,7 +131,7 @@ def test_fa4_segments_equal_document_masked_sdpa():
 def test_fa4_model_compiles_and_matches_the_masked_model():
     """The GPT with attention='fa4' under torch.compile gives the loss and gradients of
     the same weights with the SDPA document mask (eager)."""
-    from pytrain.model import GPT, ModelConfig
+    from pytrain.model.gpt import GPT, ModelConfig
 
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=512, n_layer=2, n_head=4, d_model=256, max_seq_len=512)
@@ -175,7 +175,7 @@ def assert_same_loss_and_grads(gpt, got, want) -> None:
 def test_fused_ce_triton_kernel_equals_torch_path_at_gpt2_vocab():
     """The Triton kernel on the GPU against the torch path: per-token losses and the
     in-place gradient, bf16 logits of GPT-2's padded vocabulary."""
-    from pytrain import fused_ce
+    from pytrain.model import fused_ce
 
     g = torch.Generator(device="cuda").manual_seed(0)
     logits = torch.randn(512, 50304, device="cuda", generator=g).mul_(4).bfloat16()
@@ -193,7 +193,7 @@ def test_fused_ce_triton_kernel_equals_torch_path_at_gpt2_vocab():
 def test_compiled_model_with_fused_ce_matches_unfused():
     """GPT's loss and gradients with the fused output layer + loss (compiled, bf16)
     against the unfused eager model."""
-    from pytrain.model import GPT, ModelConfig
+    from pytrain.model.gpt import GPT, ModelConfig
 
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=50304, n_layer=2, n_head=4, d_model=256, fused_ce="on")
@@ -214,7 +214,7 @@ def test_cuda_graphs_with_gradient_accumulation_match_default_compile(tmp_path=N
     between micro-steps, see OptimizerStep.zero_grads, pytorch/pytorch#169545 without it; bf16
     parameters with fp32 masters: each micro-batch's gradients summed into fp32 at once)."""
     from pytrain.config import parse_args
-    from pytrain.trainer import Trainer
+    from pytrain.train.trainer import Trainer
 
     tmp_path = tmp_path or Path(tempfile.mkdtemp())
     data = tmp_path / "ds"
@@ -253,8 +253,8 @@ def test_master_adamw_kernels_equal_the_torch_path_on_the_gpu():
     of the 124M model's tensors (blocks of many tensors in one launch), over steps whose
     gradients move (the address table is rebuilt) and a skipped step; the bf16
     parameters are the fp32 masters rounded to nearest."""
-    from pytrain import optim
-    from pytrain.master_adamw import MasterAdamW
+    from pytrain.optim import adamw as optim
+    from pytrain.optim.master_adamw import MasterAdamW
 
     shapes = [(50304, 768), (768,), (3072, 768), (768, 2304), (5,)]
     runs = []

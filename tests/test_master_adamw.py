@@ -1,4 +1,4 @@
-"""pytrain.master_adamw: AdamW over fp32 masters of bf16 parameters. The torch path
+"""pytrain.optim.master_adamw: AdamW over fp32 masters of bf16 parameters. The torch path
 against torch.optim.AdamW on fp32 parameters (clipping, weight-decay groups, a skipped
 step), the Triton kernels against the torch path through Triton's interpreter (in a
 subprocess: TRITON_INTERPRET is read at import), and the trainer with master weights on
@@ -9,9 +9,9 @@ import textwrap
 import pytest
 import torch
 
-from pytrain import optim
-from pytrain.checkpoint import CheckpointMismatch
-from pytrain.master_adamw import MasterAdamW
+from pytrain.optim import adamw as optim
+from pytrain.optim.master_adamw import MasterAdamW
+from pytrain.train.checkpoint import CheckpointMismatch
 from tests.test_trainer import small_cfg
 from tests.triton_interpreter import assert_passes_in_interpreter
 
@@ -129,7 +129,7 @@ KERNEL_CHECK = textwrap.dedent(
     """
     import torch
     from tests.test_master_adamw import setup, step_grads
-    from pytrain import optim
+    from pytrain.optim import adamw as optim
     runs = []
     for use_triton in (False, True):
         params, _, opt = setup(use_triton=use_triton)
@@ -156,7 +156,7 @@ def test_triton_kernels_match_the_torch_path_in_the_interpreter():
 
 
 def test_trainer_with_master_weights_resumes_exactly_and_saves_fp32_weights(small_corpus, tmp_path):
-    from pytrain.trainer import Trainer
+    from pytrain.train.trainer import Trainer
 
     extra = ("--precision", "bf16", "--optim.master_weights", "on", "--optim.grad_accum", "2")
     full = Trainer(small_cfg(small_corpus, tmp_path / "a", *extra))

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from pytrain.model import GPT, ModelConfig
+from pytrain.model.gpt import GPT, ModelConfig
 
 
 def test_residual_stream_dtype_follows_the_config():

@@ -1,11 +1,11 @@
 """The optimizer step the trainer uses with a fused AdamW: clipping folded into the
-kernel's grad_scale and the guard's skip as found_inf (pytrain.optim.fused_step). CPU
+kernel's grad_scale and the guard's skip as found_inf (pytrain.optim.adamw.fused_step). CPU
 torch has a fused AdamW with the same arguments, so this runs everywhere."""
 
 import pytest
 import torch
 
-from pytrain import optim
+from pytrain.optim import adamw as optim
 
 
 def params_and_grads(seed: int, grad_scale: float):

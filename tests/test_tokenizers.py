@@ -24,9 +24,9 @@ from tokenizers import (
     trainers,
 )
 
+from pytrain.data.shards import PackOptions, pack, read_all_documents, read_manifest
+from pytrain.data.tokenizer import TokenizerError, train_bpe
 from pytrain.pack_shards import main as pack_shards
-from pytrain.shards import PackOptions, pack, read_all_documents, read_manifest
-from pytrain.tokenizer import TokenizerError, train_bpe
 
 # Llama 3's split pattern (tiktoken cl100k-style), as its tokenizer.json carries it.
 LLAMA3_SPLIT = (
@@ -147,7 +147,7 @@ def unigram(texts):
 
 def byte_level_wide(texts):
     """A vocabulary above 65,536 ids: the shards must be uint32 and keep ids > 65,535."""
-    from pytrain.tokenizer import byte_tokenizer
+    from pytrain.data.tokenizer import byte_tokenizer
 
     tok = byte_tokenizer()
     tok.add_tokens([f"<extra_{i}>" for i in range(70_000)])

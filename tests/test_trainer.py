@@ -11,9 +11,9 @@ import torch
 
 from pytrain.config import parse_args
 from pytrain.data import DeviceBatch
-from pytrain.guard import StepGuard, TrainingStopped
-from pytrain.optim import lr_at
-from pytrain.trainer import Trainer
+from pytrain.optim.schedule import lr_at
+from pytrain.train.guard import StepGuard, TrainingStopped
+from pytrain.train.trainer import Trainer
 
 
 def small_cfg(small_corpus, tmp_path: Path, *extra: str):
@@ -203,7 +203,7 @@ def test_lr_schedule_warms_up_and_decays():
 
 
 def test_compile_policy_avoids_known_bad_combinations(monkeypatch):
-    from pytrain.compile_policy import decide, next_level
+    from pytrain.train.compile_policy import decide, next_level
 
     monkeypatch.delenv("TORCH_COMPILE_DISABLE_CUDAGRAPHS", raising=False)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
@@ -249,8 +249,8 @@ def test_warm_up_visits_every_bucket_shape_without_touching_data_or_rng(small_co
 
 
 def test_sdpa_backend_choice_keeps_the_loss_and_unknown_names_fail():
-    from pytrain.model import GPT
-    from pytrain.model_config import ModelConfig
+    from pytrain.model.config import ModelConfig
+    from pytrain.model.gpt import GPT
 
     ids = torch.randint(0, 64, (2, 16))
     losses = {}
@@ -276,8 +276,8 @@ def test_profile_window_writes_a_trace_and_a_summary(small_corpus, tmp_path):
 
 
 def test_fa4_without_its_gpu_is_a_clear_error():
-    from pytrain.model import GPT
-    from pytrain.model_config import ModelConfig
+    from pytrain.model.config import ModelConfig
+    from pytrain.model.gpt import GPT
 
     gpt = GPT(ModelConfig(vocab_size=64, n_layer=1, n_head=2, d_model=32, attention="fa4"))
     with pytest.raises(ValueError, match="needs a Hopper or Blackwell GPU"):
@@ -292,7 +292,7 @@ def test_fused_optimizer_path_with_clipping_inside_matches_the_plain_path(
     """The trainer's CUDA path (fused AdamW; clipping as grad_scale, skip as found_inf) run
     on CPU's fused AdamW gives the losses of the plain path (clip_grad_norm_ + step). A low
     clip threshold makes clipping act on every step, so a fold that ignored it would differ."""
-    from pytrain import optim
+    from pytrain.optim import adamw as optim
 
     def run(fused: bool, name: str) -> list[float]:
         real = optim.make_optimizer

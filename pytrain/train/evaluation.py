@@ -7,13 +7,14 @@ from pathlib import Path
 
 import torch
 
-from pytrain import distributed
-from pytrain.compile_policy import CompiledModel
 from pytrain.config import DataConfig
-from pytrain.data import DeviceBatch, DeviceFeed, TokenLoader
-from pytrain.distributed import DistInfo
-from pytrain.model import GPT
-from pytrain.precision import Precision
+from pytrain.data.batch import DeviceBatch, DeviceFeed
+from pytrain.data.loader import TokenLoader
+from pytrain.model.gpt import GPT
+from pytrain.train import distributed
+from pytrain.train.compile_policy import CompiledModel
+from pytrain.train.distributed import DistInfo
+from pytrain.train.precision import Precision
 
 
 class Evaluator:

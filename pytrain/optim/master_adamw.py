@@ -116,7 +116,7 @@ class MasterAdamW:
     become views of it; their values are rounded from the fp32 masters). The interface
     the trainer uses is torch.optim's: `param_groups` (one shared `lr`), `step()`,
     `zero_grad()`, `state_dict()` / `load_state_dict()`, `defaults["fused"]` (clipping
-    and skipping are folded into the step, see pytrain.optim.fused_step)."""
+    and skipping are folded into the step, see pytrain.optim.adamw.fused_step)."""
 
     def __init__(
         self,

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pytrain.inputs import InputError
-from pytrain.shards import TokenBatch
+from pytrain.data.inputs import InputError
+from pytrain.data.shards import TokenBatch
 
 LLMC_MAGIC: dict[int, np.dtype] = {20240520: np.dtype("<u2"), 20240801: np.dtype("<u4")}
 LLMC_EOT = {20240520: 50256, 20240801: 128000}  # GPT-2 <|endoftext|>, Llama 3 <|begin_of_text|>
@@ -190,8 +190,8 @@ def import_dataset(
     say=None,
 ):
     """Writes the documents of already tokenized `inputs` as a dataset at `out_dir`."""
-    from pytrain.shards import PackOptions, choose_dtype, write_dataset
-    from pytrain.tokenizer import TokenizerInfo, describe, for_packing, load_tokenizer
+    from pytrain.data.shards import PackOptions, choose_dtype, write_dataset
+    from pytrain.data.tokenizer import TokenizerInfo, describe, for_packing, load_tokenizer
 
     sources = [detect(Path(p), fmt) for p in inputs]
     kinds = {s.format for s in sources}

@@ -11,15 +11,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pytrain import checkpoint, compile_policy, distributed, flash4, optim
 from pytrain.config import ConfigError, TrainConfig, dataset_dir, to_dict
-from pytrain.data import DeviceBatch, DeviceFeed, HostBatch, TokenLoader
-from pytrain.evaluation import Evaluator
-from pytrain.guard import PendingStep, StepGuard, StepResult
-from pytrain.metrics import RunLog, StepLog, flops_per_token, loader_cpu_seconds, peak_flops
-from pytrain.model import GPT, LossModule, checkpoint_every
-from pytrain.precision import choose_precision
-from pytrain.profiling import StepProfiler
+from pytrain.data.batch import DeviceBatch, DeviceFeed, HostBatch
+from pytrain.data.loader import TokenLoader
+from pytrain.model import flash4
+from pytrain.model.gpt import GPT, LossModule, checkpoint_every
+from pytrain.optim import adamw
+from pytrain.optim.schedule import lr_at
+from pytrain.optim.step import OptimizerStep
+from pytrain.train import checkpoint, compile_policy, distributed
+from pytrain.train.evaluation import Evaluator
+from pytrain.train.guard import PendingStep, StepGuard, StepResult
+from pytrain.train.metrics import RunLog, StepLog, flops_per_token, loader_cpu_seconds, peak_flops
+from pytrain.train.precision import choose_precision
+from pytrain.train.profiling import StepProfiler
 
 
 class Trainer:
@@ -83,11 +88,11 @@ class Trainer:
 
     def _build_optimizer(self) -> None:
         o = self.cfg.optim
-        self.master = optim.use_master_weights(
+        self.master = adamw.use_master_weights(
             o.master_weights, self.device, self.precision.dtype, one_process=not self.dist.enabled
         )
-        self.optimizer = optim.make_optimizer(self.gpt, o, self.device, self.master)
-        self.opt_step = optim.OptimizerStep(
+        self.optimizer = adamw.make_optimizer(self.gpt, o, self.device, self.master)
+        self.opt_step = OptimizerStep(
             self.optimizer, self.gpt, self.precision.scaler, self.sharded, o.grad_clip
         )
         self.guard = StepGuard(o.spike_factor, o.max_bad_steps, o.warmup_steps)
@@ -271,7 +276,7 @@ class Trainer:
         denom = max(distributed.all_sum(local_tokens, self.dist, self.device), 1.0)
         loss_sum, fallbacks = self._backward_with_fallback(batches, denom, prefetch)
         loss = distributed.all_sum_tensor(loss_sum, self.dist) / denom
-        self.opt_step.set_lr(optim.lr_at(self.step, self.cfg.optim, self.cfg.max_steps))
+        self.opt_step.set_lr(lr_at(self.step, self.cfg.optim, self.cfg.max_steps))
         grad_norm, bad, ema_before = self.opt_step.step(self.guard, self.step, loss)
         # Gradients are cleared when the next step starts (OptimizerStep.zero_grads), not here: under
         # CUDA graphs with accumulation they are kept, and reused, from step to step.
@@ -338,7 +343,7 @@ class Trainer:
 
     # ---- the loop ------------------------------------------------------------------------
     def evaluate(self) -> float | None:
-        """Validation loss per loss token (pytrain.evaluation); None without a validation set."""
+        """Validation loss per loss token (pytrain.train.evaluation); None without a validation set."""
         return self.evaluator() if self.evaluator is not None else None
 
     def fit(self) -> dict:
@@ -367,7 +372,7 @@ class Trainer:
             dt, t_mark = now - t_mark, now
             history.append(r.loss)
             self.steplog.step(
-                r, number, dt, wait, optim.lr_at(number - 1, cfg.optim, cfg.max_steps), self.guard.skipped,
+                r, number, dt, wait, lr_at(number - 1, cfg.optim, cfg.max_steps), self.guard.skipped,
                 len(self.compiler.fallbacks),
             )  # fmt: skip
 

@@ -19,7 +19,7 @@ class ModelConfig:
     rope_base: float = 10000.0
     dropout: float = 0.0
     attention: str = "auto"
-    """'auto', 'fa4', 'flex', 'sdpa_mask' or 'causal' (see pytrain.model's docstring)."""
+    """'auto', 'fa4', 'flex', 'sdpa_mask' or 'causal' (see pytrain.model.gpt's docstring)."""
     sdpa_backend: str = "auto"
     """Kernel behind scaled_dot_product_attention: 'auto' (torch's choice), 'cudnn',
     'flash', 'efficient', 'math', or 'fa4' (FlashAttention-4 from the flash-attn-4 package,
@@ -31,5 +31,5 @@ class ModelConfig:
     residual adds, as trainers with bf16 parameters have it)."""
     fused_ce: str = "auto"
     """Output layer + cross-entropy as one op that never keeps the logits
-    (`pytrain.fused_ce`), in training: 'auto' (on CUDA with Triton), 'on', 'off'."""
+    (`pytrain.model.fused_ce`), in training: 'auto' (on CUDA with Triton), 'on', 'off'."""
     max_seq_len: int = 4096

@@ -34,13 +34,13 @@ def _main(argv: list[str] | None) -> int:
 
     cfg = parse_args(argv)
     if cfg.compile.safe_env:
-        from pytrain.env_guards import apply_safe_env
+        from pytrain.train.env_guards import apply_safe_env
 
         cache = cfg.compile.cache_dir or f"{cfg.out_dir}/{cfg.name}/inductor-cache"
         apply_safe_env(cache, cudagraphs=cfg.compile.mode == "reduce-overhead")
-    from pytrain.guard import TrainingStopped
-    from pytrain.report import final_report
-    from pytrain.trainer import Trainer
+    from pytrain.train.guard import TrainingStopped
+    from pytrain.train.report import final_report
+    from pytrain.train.trainer import Trainer
 
     t0 = time.perf_counter()
     if not cfg.data.path:
@@ -66,8 +66,8 @@ def _main(argv: list[str] | None) -> int:
 def use_default_dataset(cfg) -> None:
     """Points cfg.data at the embedded default (Python's standard library, BPE-tokenized),
     building it once: rank 0 builds, the others wait and then find it built."""
-    from pytrain import distributed
-    from pytrain.corpus import build_default
+    from pytrain.data.corpus import build_default
+    from pytrain.train import distributed
 
     dist, _ = distributed.init(cfg.device)
     say = print if dist.is_main else (lambda *a, **k: None)

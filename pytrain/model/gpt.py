@@ -3,7 +3,7 @@ embeddings, attention through `scaled_dot_product_attention` with document maski
 for packed rows, and a loss summed over the tokens the loss mask keeps.
 
 Document masking: a token attends only to earlier tokens of its own document (doc_ids).
-Backends: 'fa4' (FlashAttention-4 over document segments, `pytrain.flash4`; Hopper and
+Backends: 'fa4' (FlashAttention-4 over document segments, `pytrain.model.flash4`; Hopper and
 Blackwell with flash-attn-4 installed), 'flex' (FlexAttention block mask; CUDA), 'sdpa_mask'
 (a boolean mask given to SDPA; correct everywhere, O(T^2) memory), 'causal' (plain causal
 attention across documents, as nanoGPT does). 'auto' picks fa4 where it runs, else flex on
@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pytrain import flash4, fused_ce
-from pytrain.model_config import ModelConfig
+from pytrain.model import flash4, fused_ce
+from pytrain.model.config import ModelConfig
 
 __all__ = ["GPT", "ModelConfig", "document_mask"]
 
@@ -263,7 +263,7 @@ class GPT(nn.Module):
         return self.norm(x)
 
     def uses_fused_ce(self, device: torch.device) -> bool:
-        """Whether training steps compute the loss with pytrain.fused_ce."""
+        """Whether training steps compute the loss with pytrain.model.fused_ce."""
         choice = self.cfg.fused_ce
         return choice == "on" or (choice == "auto" and fused_ce.triton_available(device))
 
@@ -271,7 +271,7 @@ class GPT(nn.Module):
         """Cross-entropy summed over the tokens where loss_mask is true. Masked targets
         become ignore_index, so no fp32 copy of the logits is made outside the fused
         kernel (cross_entropy computes in fp32 under autocast). In training with
-        `fused_ce`, the output layer and the loss are one op (pytrain.fused_ce)."""
+        `fused_ce`, the output layer and the loss are one op (pytrain.model.fused_ce)."""
         h = self.hidden(input_ids, position_ids, mask)
         targets = torch.where(loss_mask, targets, fused_ce.IGNORE_INDEX).flatten()
         if self.training and torch.is_grad_enabled() and self.uses_fused_ce(h.device):

@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from pytrain import _loader
-from pytrain.inputs import BadInputs, ReadOptions, expand, read_documents
-from pytrain.tokenizer import (
+from pytrain.data.inputs import BadInputs, ReadOptions, expand, read_documents
+from pytrain.data.tokenizer import (
     EOS_CANDIDATES,
     TokenizerError,
     TokenizerInfo,

@@ -13,8 +13,8 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
-from pytrain.shards import PackOptions, pack
-from pytrain.tokenizer import train_bpe
+from pytrain.data.shards import PackOptions, pack
+from pytrain.data.tokenizer import train_bpe
 
 VAL_PERCENT = 5
 MAX_FILE_BYTES = 400_000

@@ -1,0 +1,85 @@
+"""AdamW with weight-decay groups, the learning-rate schedule, and one optimizer step
+with gradient clipping.
+
+On CUDA the AdamW is fused, and the step needs neither a host sync nor a separate pass
+over the gradients: the clipping factor goes to the fused kernel as its `grad_scale`
+(each gradient is divided by it as it is read) and the skip decision of the step guard
+as its `found_inf` (weights, moments and step counts are left alone where it is 1).
+Elsewhere (CPU, FSDP2 shards, fp16 with a GradScaler) clipping is the usual
+`clip_grad_norm_` pass."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pytrain.config import OptimConfig
+from pytrain.optim.master_adamw import MasterAdamW
+
+
+def use_master_weights(
+    choice: str, device: torch.device, dtype: torch.dtype | None, one_process: bool
+) -> bool:
+    """Whether the model's parameters are bf16 with fp32 masters in the optimizer
+    (pytrain.optim.master_adamw): asked for, or 'auto' on CUDA, with bf16 autocast, in one
+    process (DDP would reduce only the last micro-batch's bf16 gradients; FSDP2 has its
+    own mixed precision)."""
+    if choice not in ("auto", "on", "off"):
+        raise ValueError(f"optim.master_weights is {choice!r}; expected auto, on or off")
+    possible = dtype == torch.bfloat16 and one_process
+    if choice == "on" and not possible:
+        raise ValueError(
+            "optim.master_weights=on needs precision bf16 and a single process "
+            "(set it to auto or off for fp16, fp32, DDP or FSDP2)"
+        )
+    return choice == "on" or (choice == "auto" and possible and device.type == "cuda")
+
+
+def make_optimizer(
+    model: nn.Module, o: OptimConfig, device: torch.device, master: bool = False
+) -> torch.optim.Optimizer | MasterAdamW:
+    """AdamW; weight decay on matrices only (not norms); fused on CUDA. With `master`,
+    the parameters become bf16 and the optimizer a MasterAdamW holding their fp32 copies."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": o.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    betas = (o.beta1, o.beta2)
+    if master:
+        return MasterAdamW(groups, lr=o.lr, betas=betas, dtype=torch.bfloat16)
+    return torch.optim.AdamW(groups, lr=o.lr, betas=betas, fused=device.type == "cuda")
+
+
+def grad_norm(optimizer: torch.optim.Optimizer | MasterAdamW) -> torch.Tensor:
+    """The total L2 norm of the gradients `optimizer` will step with (a 0-d tensor, no
+    host sync): its parameters' `.grad`, or MasterAdamW's own (fp32 sums under
+    accumulation)."""
+    if isinstance(optimizer, MasterAdamW):
+        return optimizer.grad_norm()
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    return nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+
+
+def clip_scale(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """What the gradients are divided by so that their norm is at most max_norm: the
+    inverse of clip_grad_norm_'s factor max_norm / (norm + 1e-6), never below 1."""
+    return ((norm + 1e-6) / max_norm).clamp(min=1.0)
+
+
+def fused_step(
+    optimizer: torch.optim.Optimizer | MasterAdamW,
+    skip: torch.Tensor,
+    norm: torch.Tensor,
+    max_norm: float,
+) -> None:
+    """One step of a fused AdamW with clipping folded in and the skip decided on the
+    device (`skip`: 0-d bool). Same update as clip_grad_norm_ then step()."""
+    if not optimizer.defaults.get("fused"):
+        raise ValueError("fused_step needs an optimizer built with fused=True")
+    # The fused kernel reads these two attributes (torch.optim's AMP hooks).
+    optimizer.grad_scale = clip_scale(norm, max_norm) if max_norm > 0 else None  # type: ignore[union-attr]
+    optimizer.found_inf = skip.float()  # type: ignore[union-attr]
+    optimizer.step()

@@ -1,0 +1,95 @@
+"""The optimizer's side of a training step (see `OptimizerStep`)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from pytrain.optim.adamw import fused_step, grad_norm
+from pytrain.optim.master_adamw import MasterAdamW
+
+
+class OptimizerStep:
+    """The optimizer's side of a training step: clearing gradients, fp32 accumulation of
+    master weights, clipping, the step guard's skip, and the update (fused with clipping
+    folded in, through fp16's GradScaler, or plain)."""
+
+    def __init__(self, optimizer, model: nn.Module, scaler, sharded: bool, grad_clip: float):
+        self.optimizer = optimizer
+        self.model = model
+        self.scaler = scaler
+        self.sharded = sharded
+        self.grad_clip = grad_clip
+        self.master = isinstance(optimizer, MasterAdamW)
+
+    @property
+    def masters(self) -> MasterAdamW:
+        """The optimizer, when it keeps fp32 master weights."""
+        assert isinstance(self.optimizer, MasterAdamW)
+        return self.optimizer
+
+    @property
+    def _torch_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer, on the paths only torch's AdamW takes (fused step, GradScaler)."""
+        assert isinstance(self.optimizer, torch.optim.Optimizer)
+        return self.optimizer
+
+    def set_lr(self, lr: float) -> None:
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+
+    def zero_grads(self, keep: bool) -> None:
+        """Clears the gradients before a step's backward passes. `keep` (CUDA graphs with
+        gradient accumulation): they stay allocated and are zeroed instead of dropped, since
+        a backward graph's output installed as `.grad` would be overwritten by the next
+        micro-batch's replay (pytorch/pytorch#169545: an error, or in some versions
+        silently wrong gradients); into an existing `.grad` the output is added at once."""
+        if self.master or not keep:
+            # MasterAdamW consumes each micro-batch's gradients as they come.
+            self.optimizer.zero_grad(set_to_none=True)
+            return
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        torch._foreach_zero_([p.grad for p in params if p.grad is not None])
+
+    def after_micro_batch(self, accumulating: bool) -> None:
+        if self.master and accumulating:
+            self.masters.accumulate()  # into fp32, not into the bf16 .grad
+
+    def step(self, guard, step: int, loss: torch.Tensor):
+        """The gradient norm, the guard's decision (skip, running mean before), and the
+        clipped update or its skip. With a fused AdamW (CUDA, unsharded, no GradScaler)
+        clipping happens inside the optimizer and nothing waits for the device."""
+        max_norm = self.grad_clip
+        fold = self.optimizer.defaults.get("fused") and not (self.sharded or self.scaler)
+        if fold:
+            norm = grad_norm(self.optimizer)
+        else:
+            if self.scaler:
+                self.scaler.unscale_(self._torch_optimizer)
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm or float("inf"))
+            if hasattr(norm, "full_tensor"):  # FSDP2: a replicated DTensor
+                norm = norm.full_tensor()
+        bad, ema_before = guard.check(step, loss, norm)
+        if fold:
+            fused_step(self.optimizer, bad, norm, max_norm)
+        elif self.scaler:
+            bad = self._scaler_step(bad, loss, norm)
+        elif not bool(bad):
+            self.optimizer.step()
+        return norm, bad, ema_before
+
+    def _scaler_step(self, bad, loss, norm) -> torch.Tensor:
+        """fp16: the GradScaler skips steps with inf/NaN gradients itself (and lowers its
+        scale), so an overflow is not a bad step; a bad loss or a spike still is."""
+        finite_grads = math.isfinite(float(norm))
+        if not bool(bad) or not finite_grads:
+            self.scaler.step(self._torch_optimizer)
+        self.scaler.update()
+        if not finite_grads and math.isfinite(float(loss)):
+            return torch.zeros_like(bad)
+        return bad
