@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from pytrain.data import batch as data
 from pytrain.data import DeviceFeed, TokenLoader
+from pytrain.data import batch as data
 
 
 class SlowCopy:
