@@ -264,7 +264,8 @@ def inspect_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     import numpy as np
 
-    from pytrain.data.shards import doc_lengths, read_manifest
+    from pytrain.data.documents import doc_lengths
+    from pytrain.data.shards import read_manifest
 
     m = read_manifest(args.dataset)
     tk = m["tokenizer"]

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from pytrain.data import TokenLoader
-from pytrain.data.shards import doc_lengths
+from pytrain.data.documents import doc_lengths
 
 
 def main() -> int:

@@ -14,7 +14,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pytrain.data.shards import read_all_documents, read_manifest
+from pytrain.data.documents import read_all_documents
+from pytrain.data.shards import read_manifest
 from pytrain.pack_shards import main as pack_shards
 
 

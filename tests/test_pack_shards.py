@@ -18,7 +18,8 @@ from conftest import stdlib_texts
 from tokenizers import Tokenizer
 
 from pytrain import _loader
-from pytrain.data.shards import read_all_documents, read_manifest
+from pytrain.data.documents import read_all_documents
+from pytrain.data.shards import read_manifest
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

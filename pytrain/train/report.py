@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pytrain.data.shards import sample_documents
+from pytrain.data.documents import sample_documents
 
 SAMPLE_TOKENS = 4_000_000
 """Tokens read from each dataset for the unigram baseline: a bounded sample, so a
