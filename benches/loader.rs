@@ -123,11 +123,12 @@ fn full_loader(c: &mut Criterion) {
                 threads,
                 prefetch_blocks: 2 * threads,
                 skip_corrupt: false,
+                schedule: Vec::new(),
             };
             let slots = (0..4)
                 .map(|_| SlotBuffers::owned(cfg.slot_elems(), ds.dtype))
                 .collect();
-            let loader = Loader::new(ds.clone(), cfg, slots, Position::default()).unwrap();
+            let loader = Loader::new(vec![ds.clone()], cfg, slots, Position::default()).unwrap();
             b.iter(|| {
                 for _ in 0..64 {
                     let r = loader.next().unwrap().unwrap();

@@ -92,18 +92,23 @@ class ReadyBatch:
     def pad_tokens(self) -> int: ...
     @property
     def pieces(self) -> int: ...
+    @property
+    def source_tokens(self) -> list[int]:
+        """Documents' tokens in the batch by source."""
 
 @final
 class Loader:
     def __new__(
         cls,
-        dataset: Dataset,
+        datasets: list[Dataset],
         slots: list[tuple[Any, Any]],
         config: LoaderConfig,
         *,
+        schedule: list[tuple[int, list[float]]] | None = None,
         state: dict[str, Any] | None = None,
     ) -> Self:
-        """`config`: pytrain.config.LoaderConfig, read by attribute name."""
+        """`config`: pytrain.config.LoaderConfig, read by attribute name. `datasets`: one,
+        or a mixture's sources; `schedule`: (first global item, weight per source) per stage."""
     def next(self) -> ReadyBatch | None:
         """The next filled slot, or None after the last epoch. Slots are (tokens, doc_ids)
         CPU tensors: tokens of the dataset's width (uint16 or int32), doc_ids int32."""
@@ -111,7 +116,7 @@ class Loader:
     def state(self) -> dict[str, Any]: ...
     def stats(self) -> dict[str, Any]: ...
     @property
-    def blocks_per_epoch(self) -> int: ...
+    def blocks_per_epoch(self) -> list[int]: ...
 
 def write_synthetic(
     path: str,

@@ -102,6 +102,57 @@ class DataConfig(LoaderConfig):
     """Training dataset directory; empty builds (once) and uses the embedded default."""
     val_path: str = ""
     """Validation dataset directory (the embedded default has its own held-out split)."""
+    mix: list[str] = field(default_factory=list)
+    """A mixture instead of `path`: NAME=PATH:WEIGHT per source, weights = shares of tokens
+    (TOML: a [data.mix.NAME] table with path and weight)."""
+    stages: list[str] = field(default_factory=list)
+    """Mixture weights from a step on: STEP:NAME=W,NAME=W (sources left out get 0)."""
+    val_mix: list[str] = field(default_factory=list)
+    """Validation sets by source, NAME=PATH: a loss per source, and their token-weighted mean
+    (TOML: a [data.val_mix] table of NAME = PATH)."""
+
+    def mixture(self) -> tuple[dict[str, str], dict[str, float]]:
+        """(paths, weights) by source name from `mix`."""
+        paths, weights = {}, {}
+        for item in self.mix:
+            name, eq, rest = item.partition("=")
+            path, colon, w = rest.rpartition(":")
+            try:
+                weight = float(w)
+            except ValueError:
+                weight = -1.0
+            if not (eq and colon and name and path) or weight < 0 or name in paths:
+                raise ConfigError(
+                    f"--data.mix {item!r}: expected NAME=PATH:WEIGHT (a non-negative weight, each name once)"
+                )
+            paths[name], weights[name] = path, weight
+        return paths, weights
+
+    def stage_list(self) -> list[tuple[int, dict[str, float]]]:
+        """(step, weights) per entry of `stages`, in step order."""
+        out = []
+        for item in self.stages:
+            step, colon, rest = item.partition(":")
+            try:
+                pairs = [p.split("=") for p in rest.split(",")]
+                out.append((int(step), {n.strip(): float(w) for n, w in pairs}))
+            except ValueError:
+                raise ConfigError(
+                    f"--data.stages {item!r}: expected STEP:NAME=WEIGHT,NAME=WEIGHT"
+                ) from None
+        return sorted(out, key=lambda s: s[0])
+
+    def val_sources(self) -> dict[str, str]:
+        """Validation sets by name: `val_mix`, else `val_path` alone (named 'val')."""
+        out = {}
+        for item in self.val_mix:
+            name, eq, path = item.partition("=")
+            if not (eq and name and path) or name in out:
+                raise ConfigError(f"--data.val_mix {item!r}: expected NAME=PATH, each name once")
+            out[name] = path
+        if not out and self.val_path:
+            out["val"] = self.val_path
+        return out
 
 
 def dataset_dir(path: str, flag: str) -> Path:
@@ -299,6 +350,10 @@ def apply_toml(cfg: TrainConfig, path: Path) -> None:
     def walk(d: dict, prefix: str) -> None:
         for k, v in d.items():
             key = prefix + k
+            if key == "data.mix" and isinstance(v, dict):  # [data.mix.NAME] path, weight
+                v = [f"{n}={t.get('path', '')}:{t.get('weight', '')}" for n, t in v.items()]
+            if key == "data.val_mix" and isinstance(v, dict):  # [data.val_mix] NAME = PATH
+                v = [f"{n}={p}" for n, p in v.items()]
             if isinstance(v, dict):
                 walk(v, key + ".")
                 continue

@@ -28,6 +28,8 @@ pub struct ManifestTokenizer {
     pub vocab_size: Option<u64>,
     pub eos_id: Option<u32>,
     pub bos_id: Option<u32>,
+    /// sha256 of the tokenizer file (the same ids mean the same text only under one).
+    pub sha256: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]

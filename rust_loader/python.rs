@@ -8,13 +8,15 @@ use pyo3::exceptions::{
     PyException, PyFileNotFoundError, PyOSError, PyPermissionError, PyValueError,
 };
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict};
+use pyo3::types::{PyBytes, PyDict, PyList};
 
 use crate::block::Mode;
 use crate::dataset::Dataset;
 use crate::error::{panic_message, Error};
 use crate::format::TokenDtype;
-use crate::loader::{resume_position, Loader, LoaderConfig, LoaderState, Position, SlotBuffers};
+use crate::loader::{
+    resume_position, Loader, LoaderConfig, LoaderState, Position, SlotBuffers, SourcePos, Stage,
+};
 use crate::pack::{BucketSpec, PackStrategy};
 use crate::shard_writer::ShardWriter;
 
@@ -283,42 +285,91 @@ fn tensor_ptr(t: &Bound<'_, PyAny>, elem_size: usize, need: usize, what: &str) -
 
 fn state_to_dict<'py>(py: Python<'py>, s: &LoaderState) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
-    d.set_item("version", 1)?;
-    d.set_item("manifest_hash", format!("{:016x}", s.manifest_hash))?;
+    d.set_item("version", 2)?;
     d.set_item("config", format!("{:016x}", s.config_fingerprint))?;
-    d.set_item("rank", s.rank)?;
-    d.set_item("world_size", s.world_size)?;
-    d.set_item("epoch", s.position.epoch)?;
-    d.set_item("block", s.position.block)?;
-    d.set_item("item", s.position.item)?;
+    d.set_item("items", s.position.items)?;
+    let sources = PyList::empty(py);
+    for (h, p) in s.manifest_hashes.iter().zip(&s.position.sources) {
+        let e = PyDict::new(py);
+        e.set_item("manifest_hash", format!("{h:016x}"))?;
+        e.set_item("epoch", p.epoch)?;
+        e.set_item("block", p.block)?;
+        e.set_item("item", p.item)?;
+        e.set_item("tokens", p.tokens)?;
+        e.set_item("stage_tokens", p.stage_tokens)?;
+        sources.append(e)?;
+    }
+    d.set_item("sources", sources)?;
     Ok(d)
 }
 
+fn field<'py>(d: &Bound<'py, PyDict>, k: &str) -> PyResult<Bound<'py, PyAny>> {
+    d.get_item(k)?
+        .ok_or_else(|| StateError::new_err(format!("loader state has no field {k:?}")))
+}
+
+fn hex_field(d: &Bound<'_, PyDict>, k: &str) -> PyResult<u64> {
+    let s: String = field(d, k)?.extract()?;
+    u64::from_str_radix(&s, 16)
+        .map_err(|_| StateError::new_err(format!("loader state field {k:?} is not hex")))
+}
+
+/// Reads a saved state: version 2 (any world size), or version 1 (one dataset; saved by
+/// one rank, or at an epoch boundary, where the old per-rank order meets the global one).
 fn state_from_dict(d: &Bound<'_, PyDict>) -> PyResult<LoaderState> {
-    let get = |k: &str| -> PyResult<Bound<'_, PyAny>> {
-        d.get_item(k)?
-            .ok_or_else(|| StateError::new_err(format!("loader state has no field {k:?}")))
-    };
-    let hex = |k: &str| -> PyResult<u64> {
-        let s: String = get(k)?.extract()?;
-        u64::from_str_radix(&s, 16)
-            .map_err(|_| StateError::new_err(format!("loader state field {k:?} is not hex")))
-    };
-    let version: u32 = get("version")?.extract()?;
-    if version != 1 {
+    let version: u32 = field(d, "version")?.extract()?;
+    if version == 1 {
+        let world: u64 = field(d, "world_size")?.extract()?;
+        let p = SourcePos {
+            epoch: field(d, "epoch")?.extract()?,
+            block: field(d, "block")?.extract()?,
+            item: field(d, "item")?.extract()?,
+            tokens: 0,
+            stage_tokens: 0,
+        };
+        if world != 1 && (p.block, p.item) != (0, 0) {
+            return Err(StateError::new_err(format!(
+                "the state was saved by an older version on {world} ranks in the middle of epoch {}, \
+                 in an order this version does not use; resume it at an epoch boundary or with that version",
+                p.epoch
+            )));
+        }
+        return Ok(LoaderState {
+            manifest_hashes: vec![hex_field(d, "manifest_hash")?],
+            config_fingerprint: hex_field(d, "config")?,
+            position: Position {
+                sources: vec![p],
+                items: 0,
+            },
+        });
+    }
+    if version != 2 {
         return Err(StateError::new_err(format!(
-            "loader state version {version}, this build reads 1"
+            "loader state version {version}, this build reads 1 and 2"
         )));
     }
+    let mut hashes = Vec::new();
+    let mut sources = Vec::new();
+    for e in field(d, "sources")?.try_iter()? {
+        let e = e?;
+        let e = e
+            .cast::<PyDict>()
+            .map_err(|_| StateError::new_err("loader state: a source is not a dict"))?;
+        hashes.push(hex_field(e, "manifest_hash")?);
+        sources.push(SourcePos {
+            epoch: field(e, "epoch")?.extract()?,
+            block: field(e, "block")?.extract()?,
+            item: field(e, "item")?.extract()?,
+            tokens: field(e, "tokens")?.extract()?,
+            stage_tokens: field(e, "stage_tokens")?.extract()?,
+        });
+    }
     Ok(LoaderState {
-        manifest_hash: hex("manifest_hash")?,
-        config_fingerprint: hex("config")?,
-        rank: get("rank")?.extract()?,
-        world_size: get("world_size")?.extract()?,
+        manifest_hashes: hashes,
+        config_fingerprint: hex_field(d, "config")?,
         position: Position {
-            epoch: get("epoch")?.extract()?,
-            block: get("block")?.extract()?,
-            item: get("item")?.extract()?,
+            sources,
+            items: field(d, "items")?.extract()?,
         },
     })
 }
@@ -338,6 +389,8 @@ struct PyReadyBatch {
     pad_tokens: u64,
     /// Runs of one document in the batch (each one's last token has no target).
     pieces: u64,
+    /// Documents' tokens in the batch by source (one entry for a single dataset).
+    source_tokens: Vec<u64>,
 }
 
 #[pymethods]
@@ -401,6 +454,7 @@ fn loader_config(c: &Bound<'_, PyAny>) -> PyResult<LoaderConfig> {
         // 0: two blocks ahead per thread.
         prefetch_blocks: if prefetch == 0 { 2 * threads } else { prefetch },
         skip_corrupt: get(c, "skip_corrupt")?,
+        schedule: Vec::new(),
     })
 }
 
@@ -414,15 +468,27 @@ impl PyLoader {
     /// `config` is `pytrain.config.LoaderConfig` (or any object with its attributes): the
     /// settings and their defaults are defined there, once, and read here by name.
     #[new]
-    #[pyo3(signature = (dataset, slots, config, *, state=None))]
+    /// `datasets`: one, or a mixture's sources in the order of the schedule's weights;
+    /// `schedule`: [(first global item, [weight per source]), ...] for a mixture.
+    #[pyo3(signature = (datasets, slots, config, *, schedule=None, state=None))]
     fn new(
         py: Python<'_>,
-        dataset: &PyDataset,
+        datasets: Vec<PyRef<'_, PyDataset>>,
         slots: Vec<Bound<'_, PyAny>>,
         config: &Bound<'_, PyAny>,
+        schedule: Option<Vec<(u64, Vec<f64>)>>,
         state: Option<Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
-        let config = loader_config(config)?;
+        let mut config = loader_config(config)?;
+        config.schedule = schedule
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(start, weights)| Stage { start, weights })
+            .collect();
+        if datasets.is_empty() {
+            return Err(PyValueError::new_err("at least one dataset is needed"));
+        }
+        let dataset = &datasets[0];
         let need = config.slot_elems();
         let width = dataset.inner.dtype.width();
         let mut bufs = Vec::with_capacity(slots.len());
@@ -444,7 +510,7 @@ impl PyLoader {
                 SlotBuffers::foreign(t as *mut u8, width, d as *mut i32, need, owner)
             });
         }
-        let ds = dataset.inner.clone();
+        let ds: Vec<_> = datasets.iter().map(|d| d.inner.clone()).collect();
         let start = match state {
             Some(s) => {
                 let s = state_from_dict(&s)?;
@@ -467,6 +533,7 @@ impl PyLoader {
             doc_tokens: b.doc_tokens,
             pad_tokens: b.pad_tokens,
             pieces: b.pieces,
+            source_tokens: b.source_tokens,
         }))
     }
 
@@ -488,12 +555,13 @@ impl PyLoader {
         d.set_item("documents_packed", s.documents_packed)?;
         d.set_item("documents_cut", s.documents_cut)?;
         d.set_item("frames_skipped", s.frames_skipped)?;
+        d.set_item("tokens_by_source", s.tokens_by_source)?;
         d.set_item("last_skipped", self.inner.last_skipped())?;
         Ok(d)
     }
 
     #[getter]
-    fn blocks_per_epoch(&self) -> u64 {
+    fn blocks_per_epoch(&self) -> Vec<u64> {
         self.inner.blocks_per_epoch()
     }
 }

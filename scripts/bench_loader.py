@@ -90,12 +90,8 @@ def flat_tokens(path: Path, out: Path) -> np.memmap:
 
 def recompress(src: Path, dst: Path, level: int) -> None:
     """The documents of `src` written again with frames at zstd `level`."""
-    from pytrain.data.shards import (
-        PackOptions,
-        document_batches,
-        read_all_documents,
-        write_dataset,
-    )
+    from pytrain.data.documents import read_all_documents
+    from pytrain.data.shards import PackOptions, document_batches, write_dataset
     from pytrain.data.tokenizer import TokenizerInfo
 
     m = json.loads((src / "manifest.json").read_text())

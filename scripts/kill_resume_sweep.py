@@ -58,7 +58,7 @@ def same_final_params(a: Path, b: Path) -> bool:
     sa, sb = (torch.load(p, weights_only=False) for p in (a, b))
     return (
         all(torch.equal(sa["model"][k], sb["model"][k]) for k in sa["model"])
-        and sa["ranks"][0]["loader"] == sb["ranks"][0]["loader"]
+        and sa["loader"] == sb["loader"]
     )
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_trainer import small_cfg
 
-from pytrain.data import DeviceBatch
+from pytrain.data import DeviceBatch, TokenLoader, token_ids
 from pytrain.train.trainer import Trainer
 
 
@@ -43,7 +43,7 @@ def test_two_process_gloo_matches_single_process(small_corpus, tmp_path, wrapper
     for a in ranks[0]["batches"]:
         for b in ranks[1]["batches"]:
             assert not torch.equal(a["input_ids"], b["input_ids"])
-    assert ranks[0]["loader_state"]["world_size"] == 2
+    assert ranks[0]["loader_state"] == ranks[1]["loader_state"]  # one state for every rank
     # All-reduced gradients are the same on both ranks ...
     for g0, g1 in zip(ranks[0]["grads"], ranks[1]["grads"], strict=True):
         torch.testing.assert_close(g0, g1)
@@ -86,3 +86,62 @@ def test_fsdp2_checkpoint_resumes_exactly(small_corpus, tmp_path):
     assert len(whole) == 6 and set(resumed) >= {"4", "5", "6"}
     for step in ("4", "5", "6"):
         assert resumed[step] == whole[step], (step, resumed[step], whole[step])
+
+
+def _torchrun(n: int, port: int, script: str, *args: str) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent.parent)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}",
+           f"--master_port={port}", str(Path(__file__).parent / script), *args]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r.stdout + r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("after,mix", [(1, False), (3, False), (3, True)])
+def test_training_resumes_on_another_number_of_processes(small_corpus, tmp_path, after, mix):
+    """2 processes train 3 steps and stop (checkpoint), then `after` processes resume to
+    step 5: together they trained on exactly the first global batches of the stream, each
+    once (no batch lost, none repeated), also for a mixture."""
+    train, val = small_corpus
+    data = ["--data.mix", f"a={train}:0.7", f"b={val}:0.3"] if mix else ["--data.path", str(train)]
+    args = [
+        *data, "--out_dir", str(tmp_path / "runs"), "--name", "el", "--max_steps", "5",
+        "--model.n_layer", "1", "--model.n_head", "2", "--model.d_model", "32",
+        "--data.seq_len", "64", "--data.batch_size", "2", "--data.frames_per_block", "1",
+        "--optim.grad_accum", "2", "--eval_every", "0", "--ckpt_every", "0", "--samples", "0",
+        "--no-tensorboard", "--no-progress", "--no-compile.safe_env",
+    ]  # fmt: skip
+    _torchrun(
+        2,
+        29540 + after + 3 * mix,
+        "elastic_worker.py",
+        str(tmp_path),
+        "first",
+        *args,
+        "--halt_after",
+        "3",
+    )
+    log = _torchrun(
+        after, 29550 + after + 3 * mix, "elastic_worker.py", str(tmp_path), "second", *args
+    )
+    assert f"resuming a run saved on 2 rank(s) on {after}" in log
+    got = []
+    for tag, world in (("first", 2), ("second", after)):
+        for r in range(world):
+            saved = torch.load(tmp_path / f"{tag}-rank{r}.pt", weights_only=False)
+            assert saved["step"] == (3 if tag == "first" else 5)
+            got += [tuple(row.tolist()) for rows in saved["rows"] for row in rows]
+    # The same stream read by one process: 2 ranks x 2 micro-batches x 3 steps, then
+    # `after` ranks x 2 x 2.
+    n = 2 * 2 * 3 + after * 2 * 2
+    cfg = small_cfg(small_corpus, tmp_path / "ref", *data, "--data.seq_len", "64",
+                    "--data.batch_size", "2", "--data.frames_per_block", "1")  # fmt: skip
+    weights = {"a": 0.7, "b": 0.3} if mix else None
+    source = {"a": train, "b": val} if mix else train
+    want = []
+    with TokenLoader(source, cfg.data, weights=weights) as ref:
+        for _, b in zip(range(n), ref, strict=False):
+            want += [tuple(row.tolist()) for row in token_ids(b.tokens)]
+            b.release()
+    assert sorted(got) == sorted(want)

@@ -8,7 +8,9 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import traceable_docs, write_synthetic
 
+from pytrain import _loader
 from pytrain.data import CorruptShardError, StateError, TokenLoader
 
 
@@ -141,18 +143,148 @@ def test_ranks_are_disjoint_and_complete(synthetic_dataset):
         assert np.array_equal(np.sort(np.concatenate(seen)), all_tokens(docs)), world
 
 
-def test_world_size_change_is_refused_mid_epoch_and_allowed_at_epoch_start(synthetic_dataset):
-    path, _ = synthetic_dataset
-    kw = dict(seq_len=63, batch_size=2, frames_per_block=1)
-    a = TokenLoader(path, rank=0, world_size=2, **kw)
-    start = a.state_dict()
-    take(a, 3)
-    mid = a.state_dict()
-    b = TokenLoader(path, rank=0, world_size=4, **kw)
-    with pytest.raises(StateError, match="epoch boundary"):
-        b.load_state_dict(mid)
-    b.load_state_dict(start)  # epoch boundaries do not depend on the world size
-    assert len(take(b, 2)) == 2
+def _ranks_take(path, world, n, state=None, **kw) -> tuple[list[np.ndarray], list[dict]]:
+    """Each of `world` ranks takes `n` batches (all, if None) from `state`: the tokens
+    they got, and each rank's state after them."""
+    got, states = [], []
+    for rank in range(world):
+        loader = TokenLoader(path, rank=rank, world_size=world, **kw)
+        if state is not None:
+            loader.load_state_dict(state)
+        for i, b in enumerate(loader):
+            got.append(delivered_tokens(b).astype(np.int64))
+            b.release()
+            if n is not None and i + 1 == n:
+                break
+        states.append(loader.state_dict())
+        loader.close()
+    return got, states
+
+
+@pytest.mark.parametrize("mode", ["pack", "bucket"])
+@pytest.mark.parametrize("before,after", [(4, 3), (4, 6), (2, 1)])
+def test_resume_on_another_world_size_delivers_every_document_once(
+    synthetic_dataset, mode, before, after
+):
+    path, docs = synthetic_dataset
+    kw = dict(seq_len=63, batch_size=2, frames_per_block=1, num_epochs=1, mode=mode,
+              bucket_lengths=[32, 128], token_budget=512)  # fmt: skip
+    got, states = _ranks_take(path, before, 25 if mode == "pack" else 10, **kw)
+    # At a step boundary the state is the same on every rank, whatever the world size.
+    assert all(st == states[0] for st in states)
+    rest, _ = _ranks_take(path, after, None, state=states[0], **kw)
+    assert len(rest) > after  # the epoch was not over at the switch
+    delivered = np.sort(np.concatenate(got + rest))
+    assert np.array_equal(delivered, all_tokens(docs))  # no loss, no repeat
+
+
+def test_documents_that_fit_a_row_stay_whole_across_a_world_size_change(synthetic_dataset):
+    path, docs = synthetic_dataset
+    kw = dict(seq_len=255, batch_size=2, frames_per_block=1, num_epochs=1)
+    first, states = _ranks_take(path, 4, 5, **kw)
+    rest, _ = _ranks_take(path, 3, None, state=states[0], **kw)
+    lengths = {int(d[0]) // 10_000: len(d) for d in docs}
+    pieces: dict[int, int] = {}
+    for toks in first + rest:
+        for doc, n in zip(*np.unique(toks // 10_000, return_counts=True), strict=True):
+            pieces[int(doc)] = pieces.get(int(doc), 0) + 1
+            assert n == lengths[int(doc)] or lengths[int(doc)] > 256, "a short document was cut"
+
+
+def test_a_dataset_with_fewer_frames_than_ranks_works(tmp_path):
+    docs = traceable_docs([40, 50, 60])
+    path = write_synthetic(tmp_path / "tiny", docs, frame_bytes=1 << 16)
+    assert _loader.Dataset(str(path)).n_frames == 1
+    got, _ = _ranks_take(path, 4, None, seq_len=31, batch_size=1, num_epochs=1)
+    assert np.array_equal(np.sort(np.concatenate(got)), all_tokens(docs))
+
+
+def _mix(paths, weights, stages=(), **kw):
+    return TokenLoader(paths, weights=weights, stages=stages, seq_len=127, batch_size=4,
+                       frames_per_block=2, **kw)  # fmt: skip
+
+
+@pytest.fixture
+def three_sources(tmp_path):
+    out = {}
+    for i, (name, n) in enumerate([("web", 900), ("code", 300), ("math", 60)]):
+        rng = np.random.default_rng(i)
+        lengths = np.clip(rng.lognormal(4.0, 1.0, size=n).astype(int), 1, 2000)
+        docs = [d + i * 100_000_000 for d in traceable_docs(lengths)]
+        out[name] = (write_synthetic(tmp_path / name, docs), docs)
+    return out
+
+
+def test_mixture_shares_stages_and_up_sampling(three_sources):
+    paths = {k: v[0] for k, v in three_sources.items()}
+    weights = {"web": 0.6, "code": 0.3, "math": 0.1}
+    stages = [(200, {"web": 0.2, "code": 0.2, "math": 0.6})]
+    loader = _mix(paths, weights, stages)
+    per_batch = []
+    for i, b in enumerate(loader):
+        src = (delivered_tokens(b).astype(np.int64) // 100_000_000).tolist()
+        per_batch.append(np.bincount(src, minlength=3))
+        b.release()
+        if i + 1 == 400:
+            break
+    s = loader.stats()
+    first, second = np.sum(per_batch[:200], axis=0), np.sum(per_batch[200:], axis=0)
+    for got, want in ((first, weights), (second, stages[0][1])):
+        shares = got / got.sum()
+        for j, name in enumerate(["web", "code", "math"]):
+            assert abs(shares[j] - want[name]) < 0.01, (name, shares)
+    # The stage starts at its exact batch: batch 200 is the first under the new weights.
+    assert per_batch[200][2] > 0 and sum(per_batch[199 - k][2] for k in range(3)) <= sum(
+        per_batch[200 + k][2] for k in range(3)
+    )
+    assert sum(s["tokens_by_source"].values()) == int(np.sum(per_batch))
+    assert s["tokens_by_source"]["math"] == int(np.sum(per_batch, axis=0)[2])
+    # math (60 documents) is repeated to give its share: many more epochs than web.
+    assert s["epochs_by_source"]["math"] >= 5 * (s["epochs_by_source"]["web"] + 1)
+    loader.close()
+
+
+def test_mixture_is_thread_count_independent_and_resumes_exactly_mid_stage(three_sources):
+    paths = {k: v[0] for k, v in three_sources.items()}
+    weights, stages = {"web": 0.5, "code": 0.4, "math": 0.1}, [(30, {"web": 0.1, "code": 0.9})]
+    a = take(_mix(paths, weights, stages, threads=1), 60)
+    b = take(_mix(paths, weights, stages, threads=4), 60)
+    assert same(a, b)
+    first = _mix(paths, weights, stages, threads=2)
+    take(first, 20)
+    state = first.state_dict()
+    again = _mix(paths, weights, stages, threads=3)
+    again.load_state_dict(state)
+    assert same(take(again, 40), a[20:])  # across the stage switch at batch 30
+
+
+def test_mixture_resumes_on_another_world_size(three_sources):
+    paths = {k: v[0] for k, v in three_sources.items()}
+    weights = {"web": 0.5, "code": 0.3, "math": 0.2}
+    kw = dict(seq_len=63, batch_size=2, frames_per_block=1, num_epochs=1)
+    got, states = _ranks_take(paths, 4, 25, weights=weights, **kw)
+    assert all(st == states[0] for st in states)
+    rest, _ = _ranks_take(paths, 3, None, state=states[0], weights=weights, **kw)
+    want = np.sort(np.concatenate([all_tokens(v[1]) for v in three_sources.values()]))
+    assert np.array_equal(np.sort(np.concatenate(got + rest)), want)
+
+
+def test_mixture_refuses_other_tokenizers_and_bad_weights(three_sources, tmp_path):
+    paths = {k: v[0] for k, v in three_sources.items()}
+    other = write_synthetic(tmp_path / "other", traceable_docs([30, 40]), vocab=50_000)
+    with pytest.raises(ValueError, match="another tokenizer"):
+        _mix({"web": paths["web"], "other": other}, {"web": 1, "other": 1})
+    with pytest.raises(ValueError, match="no dataset named 'wbe'"):
+        _mix(paths, {"wbe": 1.0})
+    with pytest.raises(ValueError, match="needs weights"):
+        TokenLoader(paths)
+    with pytest.raises(ValueError, match="needs mode 'pack'"):
+        _mix(paths, {"web": 1.0}, mode="bucket")
+    loader = _mix(paths, {"web": 1.0, "code": 1.0, "math": 1.0})
+    with pytest.raises(StateError, match="saved for datasets web, code"):
+        TokenLoader(paths["web"], seq_len=127, batch_size=4, frames_per_block=2).load_state_dict(
+            {**loader.state_dict(), "names": ["web", "code"]}
+        )
 
 
 def test_bucket_mode_uses_few_shapes_and_delivers_everything(synthetic_dataset):
@@ -172,7 +304,7 @@ def test_bucket_mode_uses_few_shapes_and_delivers_everything(synthetic_dataset):
     # leftovers of each bucket (fewer than a batch) moved up and the last batch padded.
     pieces = [len(d[i : i + 513]) for d in docs for i in range(0, len(d), 513)]
     inherent = sum(min(n for n in lengths if n + 1 >= p) + 1 - p for p in pieces)
-    leftovers = loader._inner.blocks_per_epoch * sum(1024 // n for n in lengths) * 513
+    leftovers = loader._inner.blocks_per_epoch[0] * sum(1024 // n for n in lengths) * 513
     s = loader.stats()
     assert inherent <= s["pad_tokens"] <= inherent + leftovers
 
@@ -222,8 +354,6 @@ def test_corrupt_frame_names_shard_and_frame(synthetic_dataset):
 
 
 def test_changed_dataset_is_refused(synthetic_dataset, tmp_path):
-    from conftest import traceable_docs, write_synthetic
-
     path, _ = synthetic_dataset
     loader = TokenLoader(path, seq_len=63, batch_size=2)
     take(loader, 2)

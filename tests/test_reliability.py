@@ -124,7 +124,7 @@ def test_pack_shards_unwritable_output_and_enormous_document(tmp_path):
         text=True,
     )
     assert r.returncode == 0, r.stderr
-    from pytrain.data.shards import read_all_documents
+    from pytrain.data.documents import read_all_documents
 
     docs = read_all_documents(out)
     assert [len(d) for d in docs] == [len(big.encode()) + 1, 5]

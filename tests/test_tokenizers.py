@@ -24,7 +24,8 @@ from tokenizers import (
     trainers,
 )
 
-from pytrain.data.shards import PackOptions, pack, read_all_documents, read_manifest
+from pytrain.data.documents import read_all_documents
+from pytrain.data.shards import PackOptions, pack, read_manifest
 from pytrain.data.tokenizer import TokenizerError, train_bpe
 from pytrain.pack_shards import main as pack_shards
 

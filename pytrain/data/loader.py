@@ -6,20 +6,28 @@ of (pinned, where CUDA is present) host buffers, exposed to Python without a cop
         gpu = batch.to("cuda")     # non-blocking copy; the slot is released when it is done
         ...
 
+A mixture of datasets takes names, weights (shares of tokens) and optional stages:
+
+    loader = TokenLoader({"web": "data/web", "code": "data/code"},
+                         weights={"web": 0.7, "code": 0.3},
+                         stages=[(5000, {"web": 0.5, "code": 0.5})])  # from global batch 5000
+
 A slot is written by Rust only while it is free; the consumer gets it, reads it (or
-copies it to the GPU) and releases it. `state_dict()` is a handful of integers; loading
-it yields exactly the batches an uninterrupted run would have produced next."""
+copies it to the GPU) and releases it. `state_dict()` is a handful of integers per
+source, the same on every rank at a step boundary; loading it (on any number of ranks)
+yields exactly the batches an uninterrupted run would have produced next."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
 
 from pytrain import _loader
+from pytrain._loader import StateError
 from pytrain.config import LoaderConfig
 from pytrain.data.batch import CopyEvent, HostBatch
 
@@ -35,17 +43,57 @@ class TokenLoader:
     to a device, early stops included, and `close()` (or leaving a `with` block) waits for
     copies in flight and gives everything back."""
 
-    def __init__(self, path: str | Path, config: LoaderConfig | None = None, **overrides):
-        self.path = Path(path)
+    def __init__(
+        self,
+        path: str | Path | Mapping[str, str | Path],
+        config: LoaderConfig | None = None,
+        *,
+        weights: Mapping[str, float] | None = None,
+        stages: Sequence[tuple[int, Mapping[str, float]]] = (),
+        **overrides,
+    ):
         config = config or LoaderConfig()
         unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(config)})
         if unknown:
             raise TypeError(f"TokenLoader has no option {unknown[0]!r}")
         self.config = dataclasses.replace(config, **overrides)
-        self.dataset = _loader.Dataset(str(self.path))
+        sources = dict(path) if isinstance(path, Mapping) else {Path(path).name: path}
+        self.sources = {name: Path(p) for name, p in sources.items()}
+        self.names = list(self.sources)
+        self.path = self.sources[self.names[0]]
+        self.datasets = [_loader.Dataset(str(p)) for p in self.sources.values()]
+        self.dataset = self.datasets[0]  # a mixture's sources share one vocabulary
+        self._schedule = self._mixture(weights, stages)
         self._inner: _loader.Loader | None = None
         self._state: dict | None = None
         self._start()
+
+    def _mixture(self, weights, stages) -> list[tuple[int, list[float]]] | None:
+        """The Rust schedule: (first global item, weight per source) per stage. Stage starts
+        are given in global batches (all ranks' batches counted: step x grad_accum x
+        world size); an item is a row in pack mode."""
+        if len(self.names) == 1 and weights is None and not stages:
+            return None
+        if weights is None:
+            raise ValueError(f"a mixture of {', '.join(self.names)} needs weights")
+
+        def row(w: Mapping[str, float], where: str) -> list[float]:
+            extra = sorted(set(w) - set(self.names))
+            if extra:
+                raise ValueError(
+                    f"{where}: no dataset named {extra[0]!r} (have {', '.join(self.names)})"
+                )
+            return [float(w.get(n, 0.0)) for n in self.names]
+
+        per_batch = self.config.batch_size if self.config.mode == "pack" else 1
+        out = [(0, row(weights, "weights"))]
+        for start, w in sorted(stages, key=lambda s: s[0]):
+            if start <= 0:
+                raise ValueError(
+                    f"stage at batch {start}: stages after the first start at a batch > 0"
+                )
+            out.append((int(start) * per_batch, row(w, f"stage at batch {start}")))
+        return out
 
     def _slot_elems(self) -> int:
         return max(rows * (seq + 1) for rows, seq in self.config.batch_shapes())
@@ -71,7 +119,9 @@ class TokenLoader:
         self._keep = max(1, c.slots - 1)  # the consumer may hold all slots but one
         self._landing: deque[tuple[HostBatch, CopyEvent]] = deque()  # copies in flight
         self._inner = None  # stop the old threads before starting new ones
-        self._inner = _loader.Loader(self.dataset, self._slots, c, state=self._state)
+        self._inner = _loader.Loader(
+            self.datasets, self._slots, c, schedule=self._schedule, state=self._state
+        )
 
     def __iter__(self) -> Iterator[HostBatch]:
         return self
@@ -129,21 +179,40 @@ class TokenLoader:
 
     # ---- state ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Where the next batch starts: a few integers plus dataset/config fingerprints."""
-        return dict(self._running().state())
+        """Where the next batch starts: per source (by name) its epoch, block, item and
+        tokens taken, plus dataset/config fingerprints. At a step boundary (every rank has
+        taken the same number of batches) it is the same on every rank."""
+        state = dict(self._running().state())
+        state["names"] = list(self.names)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Restarts so the next batch is the one after `state` was saved. Raises
-        StateError if the dataset or the batch-shaping settings changed."""
-        self._state = dict(state)
+        """Restarts so the next batch is the one after `state` was saved, on this rank of
+        this world size (which may differ from the saving run's). Raises StateError if a
+        dataset or the batch-shaping settings changed."""
+        names = state.get("names")
+        # A single dataset may be moved or renamed; a mixture's sources are matched by name.
+        if names is not None and list(names) != self.names and len(names) + len(self.names) > 2:
+            raise StateError(
+                f"the state was saved for datasets {', '.join(names)}; this loader reads {', '.join(self.names)}"
+            )
+        self._state = {k: v for k, v in state.items() if k != "names"}
         self._start()
 
     @property
     def epoch(self) -> int:
-        return int(self._running().state()["epoch"])
+        """Epoch of the first source (of the only one, for a single dataset)."""
+        return int(self._running().state()["sources"][0]["epoch"])
 
     def stats(self) -> dict:
-        return dict(self._running().stats())
+        """Totals of this rank: batches, tokens (tokens_by_source by name), waits,
+        documents, skipped frames; epochs_by_source from the position."""
+        inner = self._running()
+        s = dict(inner.stats())
+        s["tokens_by_source"] = dict(zip(self.names, s["tokens_by_source"], strict=True))
+        srcs = inner.state()["sources"]
+        s["epochs_by_source"] = {n: int(p["epoch"]) for n, p in zip(self.names, srcs, strict=True)}
+        return s
 
     def _running(self) -> _loader.Loader:
         if self._inner is None:  # only between stopping old threads and starting new ones

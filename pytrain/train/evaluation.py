@@ -1,5 +1,6 @@
-"""Validation loss during training: the first `batches` batches of the validation set,
-the same every time, split over the ranks, through the compiled evaluation module."""
+"""Validation loss during training: the first `batches` batches of each validation set,
+the same every time, split over the ranks, through the compiled evaluation module. With
+several sets (a mixture's), a loss per set and their token-weighted mean."""
 
 from __future__ import annotations
 
@@ -18,11 +19,11 @@ from pytrain.train.precision import Precision
 
 
 class Evaluator:
-    """Mean loss per loss token over a validation dataset's first `batches` batches."""
+    """Mean loss per loss token over the first `batches` batches of each validation set."""
 
     def __init__(
         self,
-        path: Path,
+        paths: dict[str, Path],
         data: DataConfig,
         gpt: GPT,
         compiler: CompiledModel,
@@ -34,7 +35,8 @@ class Evaluator:
         sharded: bool,
         batches: int,
     ):
-        self.path, self.data, self.gpt, self.compiler = path, data, gpt, compiler
+        self.paths, self.data, self.gpt, self.compiler = paths, data, gpt, compiler
+        self.by_source: dict[str, float | None] = {}
         self.precision, self.dist, self.device = precision, dist, device
         self.mask_of, self.segments, self.sharded, self.batches = (
             mask_of,
@@ -43,9 +45,9 @@ class Evaluator:
             batches,
         )
 
-    def loader(self) -> TokenLoader:
-        """The validation set in its stored order, once, the same on every rank."""
-        return TokenLoader(self.path, self.data, shuffle=False, num_epochs=1, threads=1, slots=2)
+    def loader(self, path: Path) -> TokenLoader:
+        """A validation set in its stored order, once, the same on every rank."""
+        return TokenLoader(path, self.data, shuffle=False, num_epochs=1, threads=1, slots=2)
 
     @torch.no_grad()
     def loss_sum(self, b: DeviceBatch) -> torch.Tensor:
@@ -64,17 +66,27 @@ class Evaluator:
         finally:
             self.gpt.train()
 
-    @torch.no_grad()
     def __call__(self) -> float | None:
-        """Every rank reads the batches in the same order and evaluates every
-        world_size-th one; the result is the token-weighted mean over all ranks. The feed
-        releases every slot it took, also when it stops early."""
+        """The token-weighted mean over every set (each set's own in `by_source`)."""
+        loss = tokens = 0.0
+        for name, path in self.paths.items():
+            s, n = self.sums(path)
+            self.by_source[name] = s / n if n else None
+            loss, tokens = loss + s, tokens + n
+        return loss / tokens if tokens else None
+
+    @torch.no_grad()
+    def sums(self, path: Path) -> tuple[float, float]:
+        """(summed loss, loss tokens) over one set, all ranks. Every rank reads the batches
+        in the same order and evaluates every world_size-th one (a set smaller than the
+        world leaves some ranks idle). The feed releases every slot it took, also when it
+        stops early."""
         world, rank = self.dist.world_size, self.dist.rank
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         count, seen, last = 0, 0, None
         self.gpt.eval()
         try:
-            with DeviceFeed(self.loader(), self.device, self.segments) as feed:
+            with DeviceFeed(self.loader(path), self.device, self.segments) as feed:
                 for i, b in enumerate(feed):
                     if i >= self.batches:
                         break
@@ -92,4 +104,4 @@ class Evaluator:
             [total, torch.tensor(float(count), dtype=torch.float64, device=self.device)]
         )
         loss, tokens = distributed.all_sum_tensor(sums, self.dist).tolist()
-        return loss / tokens if tokens else None
+        return loss, tokens

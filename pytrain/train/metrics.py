@@ -69,6 +69,15 @@ class RunLog:
             self.file.close()
 
 
+def log_mixture(log: RunLog, step: int, names: list[str], loader_state: dict) -> None:
+    """A mixture's tokens (all ranks) and epoch per source, from the loader's state."""
+    values: dict[str, float | None] = {}
+    for name, p in zip(names, loader_state["sources"], strict=True):
+        values[f"data/tokens/{name}"] = float(p["tokens"])
+        values[f"data/epoch/{name}"] = float(p["epoch"])
+    log.scalars(step, values)
+
+
 def loader_cpu_seconds() -> float | None:
     """CPU seconds used so far by this process's loader threads (named "ptl-*"), from
     /proc (Linux); None elsewhere."""

@@ -11,18 +11,24 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pytrain.config import ConfigError, TrainConfig, dataset_dir, to_dict
+from pytrain.config import TrainConfig, to_dict
 from pytrain.data.batch import DeviceBatch, DeviceFeed, HostBatch
-from pytrain.data.loader import TokenLoader
 from pytrain.model import flash4
 from pytrain.model.gpt import GPT, LossModule, checkpoint_every
 from pytrain.optim import adamw
 from pytrain.optim.schedule import lr_at
 from pytrain.optim.step import OptimizerStep
-from pytrain.train import checkpoint, compile_policy, distributed
+from pytrain.train import checkpoint, compile_policy, distributed, sources
 from pytrain.train.evaluation import Evaluator
 from pytrain.train.guard import PendingStep, StepGuard, StepResult
-from pytrain.train.metrics import RunLog, StepLog, flops_per_token, loader_cpu_seconds, peak_flops
+from pytrain.train.metrics import (
+    RunLog,
+    StepLog,
+    flops_per_token,
+    loader_cpu_seconds,
+    log_mixture,
+    peak_flops,
+)  # fmt: skip
 from pytrain.train.precision import choose_precision
 from pytrain.train.profiling import StepProfiler
 
@@ -42,10 +48,9 @@ class Trainer:
         # initialise identically. Per-rank seeds come after the model.
         self._set_up_torch(cfg.seed)
         self.precision = choose_precision(cfg.precision, self.device)
-        self.train_path, self.val_path = self._datasets()
-        self.loader = TokenLoader(
-            self.train_path, cfg.data, rank=self.dist.rank, world_size=self.dist.world_size
-        )  # this rank's part of an endless shuffled stream
+        self.sources = sources.resolve(cfg.data)
+        self.train_path, self.val_path = self.sources.train_path, self.sources.val_path
+        self.loader = sources.train_loader(cfg.data, self.sources, cfg.optim.grad_accum, self.dist)
         self._build_model()
         self._seed(cfg.seed + self.dist.rank)
         self._build_optimizer()
@@ -113,10 +118,10 @@ class Trainer:
         return compiler
 
     def _evaluator(self) -> Evaluator | None:
-        if self.val_path is None:
+        if not self.sources.val:
             return None
         return Evaluator(
-            self.val_path, self.cfg.data, self.gpt, self.compiler, self.precision, self.dist,
+            self.sources.val, self.cfg.data, self.gpt, self.compiler, self.precision, self.dist,
             self.device, self._mask, self.segments, self.sharded, self.cfg.eval_batches,
         )  # fmt: skip
 
@@ -141,24 +146,9 @@ class Trainer:
         np.random.seed(seed)
         torch.manual_seed(seed)
 
-    def _datasets(self) -> tuple[Path, Path | None]:
-        d = self.cfg.data
-        if not d.path:
-            raise ConfigError(
-                "no training dataset: set --data.path (python -m pytrain.train builds the embedded default)"
-            )
-        val = dataset_dir(d.val_path, "--data.val_path") if d.val_path else None
-        return dataset_dir(d.path, "--data.path"), val
-
     # ---- checkpoints ----------------------------------------------------------------------
     def _state(self) -> dict:
-        per_rank = distributed.gather_objects(
-            {
-                "loader": self.feed.state_dict(),
-                "rng": checkpoint.rng_state(),
-            },
-            self.dist,
-        )
+        per_rank = distributed.gather_objects({"rng": checkpoint.rng_state()}, self.dist)
         model, optim = distributed.model_optim_state(self.gpt, self.optimizer, self.sharded)
         if self.master:  # the fp32 weights, not their bf16 copies
             model = self.opt_step.masters.master_state(self.gpt)
@@ -170,6 +160,9 @@ class Trainer:
             "scaler": self.precision.scaler.state_dict() if self.precision.scaler else None,
             "guard": self.guard.state_dict(),
             **self.compiler.state_dict(),
+            # One loader state for the run: at a step boundary it is the same on every
+            # rank and does not depend on the world size.
+            "loader": self.feed.state_dict(),
             "ranks": per_rank,
             "world_size": self.dist.world_size,
             "config": to_dict(self.cfg),
@@ -205,10 +198,19 @@ class Trainer:
         self.guard.load_state_dict(state["guard"])
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         self.compiler.load_state_dict(state)
-        ranks = state["ranks"]
-        mine = ranks[self.dist.rank] if len(ranks) == self.dist.world_size else ranks[0]
-        self.loader.load_state_dict(mine["loader"])  # before the feed exists: nothing ahead
-        checkpoint.set_rng_state(mine["rng"])
+        ranks, world = state["ranks"], self.dist.world_size
+        same_world = len(ranks) == world
+        # Checkpoints before the global order kept one loader state per rank.
+        loader = state.get("loader") or ranks[self.dist.rank if same_world else 0]["loader"]
+        self.loader.load_state_dict(loader)  # before the feed exists: nothing ahead
+        if same_world:
+            checkpoint.set_rng_state(ranks[self.dist.rank]["rng"])
+        else:  # dropout streams of a new layout: seeded, not restored
+            self._seed(self.cfg.seed + self.dist.rank + 1_000_003 * self.step)
+            self.say(
+                f"resuming a run saved on {len(ranks)} rank(s) on {world}: the loader continues "
+                "its global order, each document once"
+            )
         self.say(f"resumed from {path} at step {self.step}")
 
     # ---- one optimizer step ---------------------------------------------------------------
@@ -343,8 +345,16 @@ class Trainer:
 
     # ---- the loop ------------------------------------------------------------------------
     def evaluate(self) -> float | None:
-        """Validation loss per loss token (pytrain.train.evaluation); None without a validation set."""
-        return self.evaluator() if self.evaluator is not None else None
+        """Validation loss per loss token over every validation set (pytrain.train.evaluation),
+        with a loss per set in the logs when there are several; None without any."""
+        if self.evaluator is None:
+            return None
+        loss = self.evaluator()
+        if len(self.sources.val) > 1:
+            by = self.evaluator.by_source
+            self.log.scalars(self.step, {f"val/{n}": v for n, v in by.items()})
+            self.say("  ".join(f"val {n} {v:.4f}" for n, v in by.items() if v is not None))
+        return loss
 
     def fit(self) -> dict:
         cfg = self.cfg
@@ -375,6 +385,8 @@ class Trainer:
                 r, number, dt, wait, lr_at(number - 1, cfg.optim, cfg.max_steps), self.guard.skipped,
                 len(self.compiler.fallbacks),
             )  # fmt: skip
+            if len(self.loader.names) > 1 and number % cfg.log_every == 0:
+                log_mixture(self.log, number, self.loader.names, self.feed.state_dict())
 
         while self.step < cfg.max_steps:
             if cfg.halt_after and self.step - first_step >= cfg.halt_after:

@@ -1,0 +1,61 @@
+"""Which datasets a run reads: the training source (or a mixture's sources with their
+weights) and the validation sets, by name, from the `[data]` section, each checked to be
+a dataset; and the training loader over them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from pytrain.config import ConfigError, DataConfig, dataset_dir
+from pytrain.data.loader import TokenLoader
+from pytrain.train.distributed import DistInfo
+
+
+@dataclass
+class Sources:
+    train: dict[str, Path]
+    val: dict[str, Path]
+    weights: dict[str, float] | None = None
+    """A mixture's shares of tokens; None for one dataset."""
+
+    @property
+    def train_path(self) -> Path:
+        """The first training source (its tokenizer.json and prompts serve the report)."""
+        return next(iter(self.train.values()))
+
+    @property
+    def val_path(self) -> Path | None:
+        return next(iter(self.val.values()), None)
+
+
+def resolve(d: DataConfig) -> Sources:
+    if d.mix and d.path:
+        raise ConfigError("set --data.path or --data.mix, not both")
+    weights = None
+    if d.mix:
+        paths, weights = d.mixture()
+        train = {n: dataset_dir(p, f"--data.mix {n}") for n, p in paths.items()}
+    elif d.path:
+        train = {Path(d.path).name: dataset_dir(d.path, "--data.path")}
+    else:
+        raise ConfigError(
+            "no training dataset: set --data.path or --data.mix (python -m pytrain.train builds the embedded default)"
+        )
+
+    def flag(name: str) -> str:
+        return f"--data.val_mix {name}" if d.val_mix else "--data.val_path"
+
+    val = {n: dataset_dir(p, flag(n)) for n, p in d.val_sources().items()}
+    return Sources(train, val, weights)
+
+
+def train_loader(d: DataConfig, s: Sources, grad_accum: int, dist: DistInfo) -> TokenLoader:
+    """This rank's part of the endless shuffled stream; a mixture's stage at step S starts
+    at global batch S x grad_accum x world size."""
+    if s.weights is None:
+        return TokenLoader(s.train_path, d, rank=dist.rank, world_size=dist.world_size)
+    stages = [(step * grad_accum * dist.world_size, w) for step, w in d.stage_list()]
+    return TokenLoader(
+        s.train, d, weights=s.weights, stages=stages, rank=dist.rank, world_size=dist.world_size
+    )
