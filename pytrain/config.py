@@ -256,6 +256,30 @@ class TrainConfig:
     compile: CompileConfig = field(default_factory=CompileConfig)
 
 
+def _field_docs(cls) -> dict[str, str]:
+    """The docstrings under a dataclass's fields (and its bases'), for --help."""
+    import ast
+    import inspect
+
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__[:-1]):
+        try:
+            tree = ast.parse(inspect.getsource(klass))
+        except (OSError, TypeError):
+            continue
+        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        for a, b in zip(body, body[1:], strict=False):
+            if (
+                isinstance(a, ast.AnnAssign)
+                and isinstance(a.target, ast.Name)
+                and isinstance(b, ast.Expr)
+                and isinstance(b.value, ast.Constant)
+                and isinstance(b.value.value, str)
+            ):
+                docs[a.target.id] = " ".join(b.value.value.split())
+    return docs
+
+
 def _flatten(cls, prefix: str = "") -> list[tuple[str, dataclasses.Field, type]]:
     out = []
     hints = typing.get_type_hints(cls)
@@ -294,9 +318,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--config", type=Path, default=None, help="TOML preset (configs/*.toml); flags override it"
     )
+    docs = {}
+    for section in (TrainConfig, DataConfig, OptimConfig, CompileConfig, ModelConfig):
+        prefix = "" if section is TrainConfig else f"{section.__name__[:-6].lower()}."
+        docs |= {prefix + k: v for k, v in _field_docs(section).items()}
     for key, f, t in _flatten(TrainConfig):
         base, extra = _base_type(t)
-        doc = str(f.metadata.get("help", "")) if f.metadata else ""
+        doc = docs.get(key, "")
         kw: dict = {"dest": key, "default": argparse.SUPPRESS, "help": doc or " "}
         if base is bool:
             names = [f"--{key}"] + [f"--{a}" for a, k in ALIASES.items() if k == key]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pytrain.config import TrainConfig, apply_toml, parse_args
+from pytrain.config import ConfigError, TrainConfig, apply_toml, build_parser, parse_args
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 
@@ -128,3 +128,25 @@ def test_inductor_options_are_set_checked_and_skipped_when_unknown():
         set_inductor_options("triton.descriptive_names")
     with pytest.raises(ValueError, match="not a literal"):
         set_inductor_options("triton.descriptive_names=torch")
+
+
+def test_mixture_flags_toml_tables_and_help(tmp_path):
+    cfg = parse_args(["--data.mix", "web=d/web:0.7", "code=d/code:0.3",
+                      "--data.stages", "500:web=0.5,code=0.5", "--data.val_mix", "web=v/web"])  # fmt: skip
+    assert cfg.data.mixture() == ({"web": "d/web", "code": "d/code"}, {"web": 0.7, "code": 0.3})
+    assert cfg.data.stage_list() == [(500, {"web": 0.5, "code": 0.5})]
+    assert cfg.data.val_sources() == {"web": "v/web"}
+    toml = tmp_path / "mix.toml"
+    toml.write_text(
+        '[data.mix.web]\npath = "d/web"\nweight = 0.7\n[data.mix.code]\npath = "d/code"\nweight = 0.3\n'
+        '[data.val_mix]\nweb = "v/web"\n[data]\nstages = ["500:web=0.5,code=0.5"]\n'
+    )
+    t = parse_args(["--config", str(toml)])
+    assert t.data.mixture() == cfg.data.mixture() and t.data.val_sources() == {"web": "v/web"}
+    for bad in (["web=d/web"], ["web=d/web:-1"], ["a=x:1", "a=y:1"]):
+        with pytest.raises(ConfigError, match="NAME=PATH:WEIGHT"):
+            parse_args(["--data.mix", *bad]).data.mixture()
+    with pytest.raises(ConfigError, match="STEP:NAME=WEIGHT"):
+        parse_args(["--data.stages", "x:web=1"]).data.stage_list()
+    text = build_parser().format_help()
+    assert "NAME=PATH:WEIGHT" in text and "STEP:NAME=W" in text
