@@ -27,6 +27,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -93,6 +94,9 @@ def train_twice(row: Row, work: Path, args: list[str], first: int, total: int, l
     cmd = [*launcher, *args, "--out_dir", str(work / "runs"), "--name", row.name,
            "--max_steps", str(total), "--halt_after", str(first)]  # fmt: skip
     row.command = " ".join(c if c != PY else "python" for c in cmd)
+    # A fresh run directory: checkpoints of an earlier (perhaps interrupted) attempt would
+    # be resumed by the first invocation.
+    shutil.rmtree(work / "runs" / row.name, ignore_errors=True)
     t0 = time.perf_counter()
     rc1, out1 = run(cmd, work / f"{row.name}-1.log")
     rc2, out2 = run(cmd, work / f"{row.name}-2.log")
