@@ -27,7 +27,7 @@ from pytrain.train.metrics import loader_cpu_seconds
 GPU_TOKENS_PER_S = 0.5e6
 
 
-def measure(source, seconds: float, weights=None, **kw) -> tuple[float, float]:
+def measure(source, seconds: float, weights=None, **kw) -> tuple[float, float, dict]:
     """(tokens delivered per loader-CPU second, per wall second) over `seconds` of taking
     batches as fast as the loader gives them."""
     with TokenLoader(source, weights=weights, threads=1, pin_memory=False, **kw) as loader:
@@ -41,7 +41,8 @@ def measure(source, seconds: float, weights=None, **kw) -> tuple[float, float]:
                 break
         cpu = (loader_cpu_seconds() or 0.0) - (cpu0 or 0.0)
         wall = time.perf_counter() - t0
-    return tokens / max(cpu, 1e-9), tokens / wall
+        by_source = loader.stats()["tokens_by_source"]
+    return tokens / max(cpu, 1e-9), tokens / wall, by_source
 
 
 def main() -> int:
@@ -90,12 +91,24 @@ def main() -> int:
             dict(rank=0, world_size=8),
         )
     )
+    shares: list[str] = []
     for label, source, weights, extra in rows:
-        per_core, per_wall = measure(source, args.seconds, weights, **kw, **extra)
+        per_core, per_wall, by_source = measure(source, args.seconds, weights, **kw, **extra)
         print(
             f"| {label} | {per_core / 1e6:.1f} M | {per_wall / 1e6:.1f} M | {GPU_TOKENS_PER_S / per_core:.3f} |"
         )
         sys.stdout.flush()
+        if weights:
+            total = sum(by_source.values())
+            shares.append(
+                f"{label}: "
+                + ", ".join(
+                    f"{n} {by_source[n] / total:.4f} (weight {w}, off by {abs(by_source[n] / total - w):.4f})"
+                    for n, w in weights.items()
+                )
+            )
+    for line in shares:
+        print(f"delivered shares of tokens: {line}")
     return 0
 
 

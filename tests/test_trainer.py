@@ -323,3 +323,37 @@ def test_fused_optimizer_path_with_clipping_inside_matches_the_plain_path(
     ).fit()["losses"]
     # Clipping moved the losses by far more than the tolerance above.
     assert max(abs(a - b) / b for a, b in zip(unclipped, plain, strict=True)) > 1e-4
+
+
+def test_mixture_training_logs_sources_and_a_validation_loss_per_set(small_corpus, tmp_path):
+    train, val = small_corpus
+    t = Trainer(
+        small_cfg(
+            small_corpus,
+            tmp_path,
+            "--data.path",
+            "",
+            "--data.val_path",
+            "",
+            "--data.mix",
+            f"a={train}:0.8",
+            f"b={val}:0.2",
+            "--data.stages",
+            "3:a=0.2,b=0.8",
+            "--data.val_mix",
+            f"a={val}",
+            f"b={train}",
+            "--max_steps",
+            "6",
+            "--eval_every",
+            "3",
+        )  # fmt: skip
+    )
+    result = t.fit()
+    by = t.evaluator.by_source
+    assert set(by) == {"a", "b"} and all(v is not None and math.isfinite(v) for v in by.values())
+    # The overall validation loss is the token-weighted mean of the two sets' losses.
+    assert min(by.values()) <= result["val_loss"] <= max(by.values())
+    srcs = t.feed.state_dict()["sources"]
+    assert all(s["tokens"] > 0 for s in srcs)
+    t.close()
