@@ -318,11 +318,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--config", type=Path, default=None, help="TOML preset (configs/*.toml); flags override it"
     )
-    docs = {}
+    docs: dict[str, str] = {}
     for section in (TrainConfig, DataConfig, OptimConfig, CompileConfig, ModelConfig):
         prefix = "" if section is TrainConfig else f"{section.__name__[:-6].lower()}."
         docs |= {prefix + k: v for k, v in _field_docs(section).items()}
-    for key, f, t in _flatten(TrainConfig):
+    for key, _, t in _flatten(TrainConfig):
         base, extra = _base_type(t)
         doc = docs.get(key, "")
         kw: dict = {"dest": key, "default": argparse.SUPPRESS, "help": doc or " "}

@@ -95,6 +95,33 @@ def sdpa(q, k, v, backend: str = "auto", **kwargs) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
+class KVCache:
+    """One layer's keys and values during generation, (B, H, max_len, D), filled in order:
+    each new token attends to the cached ones instead of recomputing the prefix."""
+
+    def __init__(self, max_len: int) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.length = 0
+        self.max_len = max_len
+
+    def update(self, k: torch.Tensor, v: torch.Tensor):
+        """Appends (B, H, T, D) keys/values; returns all of them so far."""
+        max_len = self.max_len
+        if self.k is None:
+            B, H, _, D = k.shape
+            self.k = k.new_empty(B, H, max_len, D)
+            self.v = v.new_empty(B, H, max_len, D)
+        assert self.v is not None
+        end = self.length + k.shape[2]
+        if end > max_len:
+            raise ValueError(f"generation past the model's {max_len} positions")
+        self.k[:, :, self.length : end] = k
+        self.v[:, :, self.length : end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -106,7 +133,7 @@ class Attention(nn.Module):
             raise ValueError(f"sdpa_backend {cfg.sdpa_backend!r} is not one of {SDPA_BACKENDS}")
         self.backend = cfg.sdpa_backend
 
-    def forward(self, x, cos, sin, mask) -> torch.Tensor:
+    def forward(self, x, cos, sin, mask, cache: KVCache | None = None) -> torch.Tensor:
         B, T, C = x.shape
         # (B, T, H, D) views of one projection: FA4's layout; SDPA and flex take the
         # (B, H, T, D) transpose of the same views (no copy).
@@ -118,6 +145,15 @@ class Attention(nn.Module):
             return self.proj(flash4.attention(q, k, v, mask).reshape(B, T, C))
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         p = self.dropout if self.training else 0.0
+        if cache is not None:  # generation: a causal prefill, then one token at a time
+            past = cache.length
+            if past and T > 1:
+                raise ValueError(
+                    "a cached forward takes the whole prompt first, then one token at a time"
+                )
+            k, v = cache.update(k, v)
+            y = sdpa(q, k, v, self.backend, is_causal=T > 1)
+            return self.proj(y.transpose(1, 2).reshape(B, T, C))
         if mask is None:
             y = sdpa(q, k, v, self.backend, is_causal=True, dropout_p=p)
         elif isinstance(mask, torch.Tensor):
@@ -154,8 +190,8 @@ class Block(nn.Module):
         self.norm2 = RMSNorm(cfg.d_model)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, mask):
-        x = x + self.attn(self.norm1(x), cos, sin, mask)
+    def forward(self, x, cos, sin, mask, cache: KVCache | None = None):
+        x = x + self.attn(self.norm1(x), cos, sin, mask, cache)
         return x + self.mlp(self.norm2(x))
 
 
@@ -243,11 +279,15 @@ class GPT(nn.Module):
         """Logits (B, T, vocab). `mask` comes from make_mask (None: plain causal)."""
         return self.head(self.hidden(input_ids, position_ids, mask))
 
-    def hidden(self, input_ids, position_ids=None, mask=None) -> torch.Tensor:
-        """The normalised last hidden state (B, T, d_model), what the output layer reads."""
+    def hidden(
+        self, input_ids, position_ids=None, mask=None, caches: list[KVCache] | None = None
+    ) -> torch.Tensor:
+        """The normalised last hidden state (B, T, d_model), what the output layer reads.
+        With `caches` (generation), positions continue after the cached tokens."""
         B, T = input_ids.shape
         if position_ids is None:
-            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+            start = caches[0].length if caches else 0
+            position_ids = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
         pos = position_ids.long()
         x = self.embed(input_ids)
         dtype = compute_dtype(x)
@@ -259,7 +299,7 @@ class GPT(nn.Module):
             if self.training and self.checkpoint_every and i % self.checkpoint_every == 0:
                 x = checkpoint(block, x, cos, sin, mask, use_reentrant=False)
             else:
-                x = block(x, cos, sin, mask)
+                x = block(x, cos, sin, mask, caches[i] if caches else None)
         return self.norm(x)
 
     def uses_fused_ce(self, device: torch.device) -> bool:
@@ -290,14 +330,28 @@ class GPT(nn.Module):
         temperature: float = 0.8,
         top_k: int = 50,
         stop: int | None = None,
+        use_cache: bool = True,
+        generator: torch.Generator | None = None,
     ) -> torch.Tensor:
-        """Samples n tokens after `ids` (1, T) (no KV cache: fine for short samples)."""
+        """Up to n tokens after `ids` (1, T): greedy at temperature 0, else sampled from
+        the top_k. With `use_cache` the prompt is run once and each new token attends to
+        cached keys and values (stops at max_seq_len); without, the window of the last
+        max_seq_len tokens is recomputed for every token."""
+        caches = [KVCache(self.cfg.max_seq_len) for _ in self.blocks] if use_cache else None
+        if use_cache:
+            n = min(n, self.cfg.max_seq_len - ids.shape[1])
+        nxt = ids
         for _ in range(n):
-            ctx = ids[:, -self.cfg.max_seq_len :]
-            logits = self(ctx)[:, -1, : self.cfg.vocab_size].float() / temperature
-            v, _ = torch.topk(logits, min(top_k, logits.shape[-1]))
-            logits[logits < v[:, [-1]]] = -float("inf")
-            nxt = torch.multinomial(F.softmax(logits, dim=-1), 1)
+            ctx = nxt if use_cache else ids[:, -self.cfg.max_seq_len :]
+            h = self.hidden(ctx, caches=caches)[:, -1:]
+            logits = self.head(h)[:, -1, : self.cfg.vocab_size].float()
+            if temperature <= 0:
+                nxt = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                v, _ = torch.topk(logits, min(top_k, logits.shape[-1]))
+                logits[logits < v[:, [-1]]] = -float("inf")
+                nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
             ids = torch.cat([ids, nxt], dim=1)
             if stop is not None and int(nxt) == stop:
                 break

@@ -1,0 +1,104 @@
+"""`python -m pytrain.eval CHECKPOINT --data PATH [--batches N]`: validation loss,
+perplexity and bits per byte of a trained model on any packed dataset (or a mixture's
+sets, NAME=PATH each), cut into batches as the run's training configuration cuts them:
+the first N batches in stored order, the numbers the trainer logs for the same data.
+
+Bits per byte = loss / ln 2 x (the dataset's tokens / the text bytes pack-shards read),
+so models with different tokenizers compare on the same text."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+
+def evaluate(model: str, data: list[str], batches: int, device: str = "cpu") -> dict:
+    import torch
+
+    from pytrain.config import ConfigError, DataConfig, dataset_dir
+    from pytrain.data.batch import DeviceFeed
+    from pytrain.data.loader import TokenLoader
+    from pytrain.model.load import load
+
+    m = load(model, device)
+    base = m.config["data"] if m.config else {}
+    d = DataConfig(**{k: v for k, v in base.items() if k in DataConfig.__dataclass_fields__})
+    sets: dict[str, Path] = {}
+    for item in data:
+        label, _, where = item.partition("=") if "=" in item else ("", "", item)
+        sets[label or Path(where).name] = dataset_dir(where, "--data")
+    out: dict = {"model": str(m.source), "step": m.step, "sets": {}}
+    total_loss = total_tokens = 0.0
+    dtype = torch.bfloat16 if device != "cpu" and torch.cuda.is_bf16_supported() else None
+    for name, path in sets.items():
+        loss_sum = n = 0.0
+        loader = TokenLoader(path, d, shuffle=False, num_epochs=1, threads=1, slots=2,
+                             rank=0, world_size=1)  # fmt: skip
+        with DeviceFeed(loader, device) as feed, torch.no_grad():
+            for i, b in enumerate(feed):
+                if i >= batches:
+                    break
+                with torch.autocast(
+                    torch.device(device).type, dtype=dtype, enabled=dtype is not None
+                ):
+                    s = m.gpt.loss_sum(b.input_ids, b.targets, b.position_ids, b.loss_mask,
+                                       m.gpt.make_mask(b.doc_ids, "sdpa_mask"))  # fmt: skip
+                loss_sum += float(s)
+                n += b.loss_tokens
+        if not n:
+            raise ConfigError(f"--data {path}: no batches")
+        manifest = json.loads((path / "manifest.json").read_text())["totals"]
+        loss = loss_sum / n
+        row = {"loss": loss, "perplexity": math.exp(loss), "tokens": int(n)}
+        if manifest.get("input_bytes"):
+            row["bits_per_byte"] = loss / math.log(2) * manifest["tokens"] / manifest["input_bytes"]
+        out["sets"][name] = row
+        total_loss, total_tokens = total_loss + loss_sum, total_tokens + n
+    out["loss"] = total_loss / total_tokens
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pytrain.eval", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("model", help="run directory, ckpt-*.pt, or an exported Hugging Face directory")
+    p.add_argument(
+        "--data", nargs="+", required=True, help="dataset directory, or NAME=PATH per set"
+    )
+    p.add_argument(
+        "--batches", type=int, default=20, help="batches per set (the trainer's eval_batches)"
+    )
+    p.add_argument("--device", default="auto")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    args = p.parse_args(argv)
+    import torch
+
+    from pytrain._loader import LoaderError
+    from pytrain.config import ConfigError
+
+    device = (
+        args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    )
+    try:
+        r = evaluate(args.model, args.data, args.batches, device)
+    except (ConfigError, LoaderError) as e:
+        print(f"pytrain.eval: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(r, indent=2))
+        return 0
+    for name, s in r["sets"].items():
+        bpb = f"  bits/byte {s['bits_per_byte']:.4f}" if "bits_per_byte" in s else ""
+        print(
+            f"{name}: loss {s['loss']:.4f}  perplexity {s['perplexity']:.2f}{bpb}  ({s['tokens']:,} tokens)"
+        )
+    if len(r["sets"]) > 1:
+        print(f"all: loss {r['loss']:.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""`python -m pytrain.export RUN_DIR_OR_CHECKPOINT OUT_DIR`: a Hugging Face model
+directory that `transformers` loads offline with no custom code:
+
+    config.json  model.safetensors  generation_config.json
+    tokenizer.json  tokenizer_config.json  special_tokens_map.json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(OUT_DIR)
+    tok = AutoTokenizer.from_pretrained(OUT_DIR)
+
+Needs the `hf` extra (`pip install 'pytrain[hf]'`: transformers, safetensors). The class
+is chosen by pytrain.model.hf (SwiGLU -> Llama, GELU -> Arcee); a variant without one is
+refused with the list of exportable ones."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+
+def export(src: str | Path, out: str | Path) -> Path:
+    from safetensors.torch import save_file
+
+    from pytrain.config import ConfigError
+    from pytrain.model.hf import hf_config, to_hf
+    from pytrain.model.load import dataset_of, load
+
+    loaded = load(src)
+    if loaded.config is None:
+        raise ConfigError(f"{src} is already an exported directory")
+    gpt, cfg = loaded.gpt, loaded.gpt.cfg
+    data = dataset_of(loaded.config["data"])
+    tok = {} if data is None else json.loads((data / "manifest.json").read_text())["tokenizer"]
+    config = hf_config(cfg, gpt.vocab, tok.get("eos_id"), tok.get("bos_id"))
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    weights = to_hf(cfg, gpt.state_dict())
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
+           "max_length": cfg.max_seq_len, "do_sample": True, "temperature": 0.8, "top_k": 50}  # fmt: skip
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    if loaded.tokenizer is not None:
+        shutil.copyfile(loaded.tokenizer, out / "tokenizer.json")
+        special = {k: tok[f"{k}_token"] for k in ("eos", "bos") if tok.get(f"{k}_token")}
+        tc = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_seq_len,
+              "clean_up_tokenization_spaces": False, **{f"{k}_token": v for k, v in special.items()}}  # fmt: skip
+        (out / "tokenizer_config.json").write_text(json.dumps(tc, indent=2) + "\n")
+        (out / "special_tokens_map.json").write_text(
+            json.dumps({f"{k}_token": v for k, v in special.items()}, indent=2) + "\n"
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pytrain.export", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("source", help="a run directory (its newest checkpoint) or a ckpt-*.pt file")
+    p.add_argument("out", help="the directory to write")
+    args = p.parse_args(argv)
+    from pytrain._loader import LoaderError
+    from pytrain.config import ConfigError
+
+    try:
+        out = export(args.source, args.out)
+    except (ConfigError, LoaderError, ValueError) as e:
+        print(f"pytrain.export: error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:
+        print(
+            f"pytrain.export: error: {e.name} is missing: pip install 'pytrain[hf]'",
+            file=sys.stderr,
+        )
+        return 2
+    print(f"exported {args.source} -> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

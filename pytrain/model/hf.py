@@ -1,0 +1,137 @@
+"""The model in Hugging Face terms: which standard `transformers` class computes what a
+GPT of a given ModelConfig computes, and the weights renamed both ways. No transformers
+import here (the trainer never needs it); pytrain.export writes the directory.
+
+    mlp="swiglu" -> LlamaForCausalLM  (RMSNorm, rotary, SwiGLU, no biases)
+    mlp="gelu"   -> ArceeForCausalLM  (Llama with a plain up/down MLP; hidden_act "gelu")
+
+Both: pre-norm RMSNorm (eps 1e-6), rotary on the first/second halves of each head
+(Llama's rotate_half), no biases, a final RMSNorm, tied or untied output layer, the
+vocabulary as the model pads it (a multiple of 64; ids past the tokenizer are never
+produced by it)."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from pytrain.model.config import ModelConfig
+
+ARCHITECTURES = {"swiglu": ("llama", "LlamaForCausalLM"), "gelu": ("arcee", "ArceeForCausalLM")}
+RMS_EPS = 1e-6
+
+
+class NotExportable(ValueError):
+    """A model variant no standard transformers class computes."""
+
+
+def hf_config(cfg: ModelConfig, vocab: int, eos_id: int | None, bos_id: int | None) -> dict:
+    """config.json's contents for `cfg` (a GPT with `vocab` output rows)."""
+    if cfg.mlp not in ARCHITECTURES:
+        raise NotExportable(
+            f"model.mlp {cfg.mlp!r} has no standard transformers class; exportable: "
+            + ", ".join(f"{k} ({v[1]})" for k, v in ARCHITECTURES.items())
+        )
+    model_type, arch = ARCHITECTURES[cfg.mlp]
+    hidden = _hidden(cfg)
+    out = {
+        "architectures": [arch],
+        "model_type": model_type,
+        "vocab_size": vocab,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": hidden,
+        "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_head,
+        "num_key_value_heads": cfg.n_head,
+        "head_dim": cfg.d_model // cfg.n_head,
+        "hidden_act": "silu" if cfg.mlp == "swiglu" else "gelu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": RMS_EPS,
+        "rope_theta": cfg.rope_base,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_base},
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "torch_dtype": "float32",
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+    }
+    return out
+
+
+def _hidden(cfg: ModelConfig) -> int:
+    """The MLP's hidden width as pytrain.model.gpt.MLP computes it."""
+    import math
+
+    h = int(cfg.mlp_ratio * cfg.d_model * (2 / 3 if cfg.mlp == "swiglu" else 1))
+    return 64 * math.ceil(h / 64)
+
+
+def to_hf(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """pytrain's state dict -> the transformers class's (fp32, contiguous)."""
+    d, out = cfg.d_model, {}
+    out["model.embed_tokens.weight"] = state["embed.weight"]
+    out["model.norm.weight"] = state["norm.weight"]
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = state["head.weight"]
+    for i in range(cfg.n_layer):
+        p, q = f"blocks.{i}.", f"model.layers.{i}."
+        qkv = state[p + "attn.qkv.weight"]
+        out[q + "self_attn.q_proj.weight"] = qkv[:d]
+        out[q + "self_attn.k_proj.weight"] = qkv[d : 2 * d]
+        out[q + "self_attn.v_proj.weight"] = qkv[2 * d :]
+        out[q + "self_attn.o_proj.weight"] = state[p + "attn.proj.weight"]
+        out[q + "input_layernorm.weight"] = state[p + "norm1.weight"]
+        out[q + "post_attention_layernorm.weight"] = state[p + "norm2.weight"]
+        up = state[p + "mlp.up.weight"]
+        if cfg.mlp == "swiglu":  # up = [gate (through SiLU); up]
+            h = up.shape[0] // 2
+            out[q + "mlp.gate_proj.weight"], out[q + "mlp.up_proj.weight"] = up[:h], up[h:]
+        else:
+            out[q + "mlp.up_proj.weight"] = up
+        out[q + "mlp.down_proj.weight"] = state[p + "mlp.down.weight"]
+    return {k: v.detach().float().contiguous() for k, v in out.items()}
+
+
+def from_hf(config: dict, weights: dict[str, torch.Tensor]) -> tuple[ModelConfig, dict]:
+    """A Hugging Face directory written by pytrain.export -> (ModelConfig, state dict)."""
+    arch = (config.get("architectures") or ["?"])[0]
+    mlp = {v[1]: k for k, v in ARCHITECTURES.items()}.get(arch)
+    if mlp is None:
+        raise NotExportable(
+            f"{arch} is not a class pytrain exports ({', '.join(v[1] for v in ARCHITECTURES.values())})"
+        )
+    d, n_layer = config["hidden_size"], config["num_hidden_layers"]
+    cfg = ModelConfig(
+        vocab_size=config["vocab_size"], n_layer=n_layer, n_head=config["num_attention_heads"],
+        d_model=d, mlp=mlp, tie_embeddings=config.get("tie_word_embeddings", True),
+        rope_base=config.get("rope_theta") or config.get("rope_parameters", {}).get("rope_theta", 10000.0),
+        max_seq_len=config["max_position_embeddings"],
+    )  # fmt: skip
+    cfg.mlp_ratio = config["intermediate_size"] / d / (2 / 3 if mlp == "swiglu" else 1)
+    state = {
+        "embed.weight": weights["model.embed_tokens.weight"],
+        "norm.weight": weights["model.norm.weight"],
+    }
+    state["head.weight"] = weights.get("lm_head.weight", state["embed.weight"])
+    for i in range(n_layer):
+        p, q = f"blocks.{i}.", f"model.layers.{i}."
+        qkv = [weights[q + f"self_attn.{x}_proj.weight"] for x in "qkv"]
+        state[p + "attn.qkv.weight"] = torch.cat(qkv)
+        state[p + "attn.proj.weight"] = weights[q + "self_attn.o_proj.weight"]
+        state[p + "norm1.weight"] = weights[q + "input_layernorm.weight"]
+        state[p + "norm2.weight"] = weights[q + "post_attention_layernorm.weight"]
+        if mlp == "swiglu":
+            parts = [weights[q + "mlp.gate_proj.weight"], weights[q + "mlp.up_proj.weight"]]
+            state[p + "mlp.up.weight"] = torch.cat(parts)
+        else:
+            state[p + "mlp.up.weight"] = weights[q + "mlp.up_proj.weight"]
+        state[p + "mlp.down.weight"] = weights[q + "mlp.down_proj.weight"]
+    return cfg, state
+
+
+def strip_prefixes(state: dict) -> dict:
+    """Keys as GPT names them (without torch.compile's or a wrapper's prefixes)."""
+    return {re.sub(r"^(_orig_mod\.|module\.|gpt\.)+", "", k): v for k, v in state.items()}

@@ -1,0 +1,81 @@
+"""A trained model from where a run left it: a run directory (its newest valid
+checkpoint), a checkpoint file, or a Hugging Face directory written by pytrain.export;
+with the training configuration and the dataset's tokenizer when there are any."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pytrain.config import ConfigError, DataConfig
+from pytrain.model.config import ModelConfig
+from pytrain.model.gpt import GPT
+from pytrain.model.hf import from_hf, strip_prefixes
+
+
+@dataclass
+class Loaded:
+    gpt: GPT
+    config: dict | None
+    """The training configuration (TrainConfig as a dict); None for a Hugging Face dir."""
+    tokenizer: Path | None
+    """tokenizer.json of the training data (or of the exported directory)."""
+    eos_id: int | None
+    step: int | None
+    source: Path
+
+
+def load(path: str | Path, device: str | torch.device = "cpu") -> Loaded:
+    p = Path(path)
+    if (p / "config.json").is_file() and (p / "model.safetensors").is_file():
+        return _load_hf(p, device)
+    if p.is_dir():
+        from pytrain.train.checkpoint import load_latest
+
+        found = load_latest(p)
+        if found is None:
+            raise ConfigError(f"{path}: no checkpoint (ckpt-*.pt) and no exported model in it")
+        state, p = found
+    elif p.is_file():
+        try:
+            state = torch.load(p, map_location="cpu", weights_only=False)
+        except Exception as e:
+            raise ConfigError(f"{path}: not a checkpoint ({type(e).__name__}: {e})") from None
+    else:
+        raise ConfigError(f"{path}: no such file or directory")
+    if not isinstance(state, dict) or "model" not in state or "config" not in state:
+        raise ConfigError(f"{path}: not a pytrain checkpoint (no model and config in it)")
+    cfg = ModelConfig(**state["config"]["model"])
+    gpt = GPT(cfg)
+    gpt.load_state_dict(strip_prefixes(state["model"]))
+    data = dataset_of(state["config"]["data"])
+    tok, eos = None, None
+    if data is not None:
+        tok = data / "tokenizer.json" if (data / "tokenizer.json").is_file() else None
+        from pytrain import _loader
+
+        eos = _loader.Dataset(str(data)).eos_id
+    return Loaded(gpt.to(device).eval(), state["config"], tok, eos, state.get("step"), p)
+
+
+def dataset_of(data: dict) -> Path | None:
+    """The (first) training dataset of a saved [data] section, if it is still there."""
+    d = DataConfig(**{k: v for k, v in data.items() if k in DataConfig.__dataclass_fields__})
+    path = d.mixture()[0] if d.mix else {"": d.path}
+    first = next(iter(path.values()), "")
+    return Path(first) if first and (Path(first) / "manifest.json").is_file() else None
+
+
+def _load_hf(p: Path, device) -> Loaded:
+    from safetensors.torch import load_file
+
+    config = json.loads((p / "config.json").read_text())
+    cfg, state = from_hf(config, load_file(str(p / "model.safetensors")))
+    gpt = GPT(cfg)
+    gpt.load_state_dict(state)
+    tok = p / "tokenizer.json"
+    return Loaded(gpt.to(device).eval(), None, tok if tok.is_file() else None,
+                  config.get("eos_token_id"), None, p)  # fmt: skip

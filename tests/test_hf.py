@@ -1,0 +1,146 @@
+"""After training: export to a Hugging Face directory that transformers loads with no
+custom code (logits equal to pytrain's, for each exportable variant), sampling with a KV
+cache (same greedy text as transformers' generate), and the eval CLI (the trainer's
+validation loss, to float precision)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import stdlib_texts
+
+from pytrain.config import parse_args
+from pytrain.data.shards import PackOptions, pack
+from pytrain.export import export
+from pytrain.model.config import ModelConfig
+from pytrain.model.gpt import GPT
+from pytrain.model.hf import NotExportable, hf_config
+from pytrain.model.load import load
+from pytrain.train.trainer import Trainer
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def text_datasets(tmp_path_factory, bpe_tokenizer_file):
+    """(train, val) packed from standard-library sources with a real BPE tokenizer.json."""
+    d = tmp_path_factory.mktemp("hfdata")
+    texts = stdlib_texts(600_000)
+    opts = PackOptions(tokenizer=str(bpe_tokenizer_file), frame_mib=0.05, shard_mib=0.2)
+    out = []
+    for name, part in (("train", texts[:-4]), ("val", texts[-4:])):
+        pack(((f"{name}{i}", t) for i, t in enumerate(part)), d / name, opts)
+        out.append(d / name)
+    return out
+
+
+def train(text_datasets, tmp_path, *extra: str) -> tuple[Trainer, dict]:
+    train_ds, val_ds = text_datasets
+    cfg = parse_args([
+        "--data.path", str(train_ds), "--data.val_path", str(val_ds), "--out_dir", str(tmp_path),
+        "--name", "run", "--model.n_layer", "2", "--model.n_head", "4", "--model.d_model", "64",
+        "--data.seq_len", "64", "--data.batch_size", "4", "--max_steps", "6", "--eval_every", "0",
+        "--eval_batches", "3", "--ckpt_every", "0", "--samples", "0", "--no-progress",
+        "--no-tensorboard", "--deterministic", "--optim.lr", "3e-3", *extra,
+    ])  # fmt: skip
+    t = Trainer(cfg)
+    result = t.fit()
+    t.close()
+    return t, result
+
+
+VARIANTS = {
+    "default": (),  # the CPU default: SwiGLU -> Llama
+    "gpt2-124m architecture": (
+        "--model.mlp",
+        "gelu",
+        "--model.residual",
+        "compute",
+        "--model.rope_base",
+        "50000",
+    ),  # fmt: skip
+    "untied": ("--no-model.tie_embeddings",),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_export_loads_in_transformers_with_equal_logits(text_datasets, tmp_path, variant):
+    t, _ = train(text_datasets, tmp_path, *VARIANTS[variant])
+    out = export(tmp_path / "run", tmp_path / "hf")
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    want = {"default": "LlamaForCausalLM", "untied": "LlamaForCausalLM"}.get(
+        variant, "ArceeForCausalLM"
+    )
+    assert type(model).__name__ == want
+    ours = load(tmp_path / "run").gpt
+    assert ours.vocab % 64 == 0 and model.config.vocab_size == ours.vocab  # padded vocabulary
+    ids = torch.tensor([tok.encode("def walk(top, onerror=None):\n    return os.path.join(top)")])
+    with torch.no_grad():
+        diff = (model(ids).logits - ours(ids)).abs().max().item()
+    assert diff < 1e-4, diff
+    assert (
+        tok.eos_token == "<|endoftext|>"
+        and model.generation_config.eos_token_id == tok.eos_token_id
+    )
+
+
+def test_greedy_sample_equals_transformers_generate_and_the_cache_changes_nothing(
+    text_datasets, tmp_path, capsys
+):
+    from pytrain.sample import main as sample_main
+
+    train(text_datasets, tmp_path)
+    out = export(tmp_path / "run", tmp_path / "hf")
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    prompt = "import os\nimport sys\n\ndef main("
+    ids = tok(prompt, return_tensors="pt").input_ids
+    hf = model.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
+    gpt = load(tmp_path / "run").gpt
+    cached = gpt.generate(ids, 24, temperature=0)
+    uncached = gpt.generate(ids, 24, temperature=0, use_cache=False)
+    assert cached.tolist() == uncached.tolist() == hf.tolist()
+    for src in (tmp_path / "run", out):  # from the checkpoint and from the exported dir
+        assert (
+            sample_main(
+                [str(src), "--prompt", prompt, "--max_new_tokens", "24", "--temperature", "0"]
+            )
+            == 0
+        )
+        text = capsys.readouterr().out
+        eos = tok.eos_token_id
+        # (The run's own log lines may come first in the captured output.)
+        want = tok.decode([i for i in hf[0].tolist() if i != eos])
+        assert text.rstrip("\n")[-len(want) :] == want
+
+
+def test_eval_cli_equals_the_trainers_validation_loss(text_datasets, tmp_path, capsys):
+    from pytrain.eval import evaluate
+    from pytrain.eval import main as eval_main
+
+    _, result = train(text_datasets, tmp_path)
+    capsys.readouterr()
+    r = evaluate(str(tmp_path / "run"), [str(text_datasets[1])], batches=3)
+    assert math.isclose(r["loss"], result["val_loss"], rel_tol=1e-6), (
+        r["loss"],
+        result["val_loss"],
+    )
+    s = r["sets"]["val"]
+    assert math.isclose(s["perplexity"], math.exp(s["loss"])) and 0 < s["bits_per_byte"] < s["loss"]
+    assert (
+        eval_main([str(tmp_path / "run"), "--data", str(text_datasets[1]), "--batches", "3"]) == 0
+    )
+    assert f"loss {result['val_loss']:.4f}" in capsys.readouterr().out
+    assert eval_main([str(tmp_path / "nope"), "--data", str(text_datasets[1])]) == 2
+
+
+def test_a_variant_without_a_transformers_class_is_refused_by_name():
+    cfg = ModelConfig(mlp="relu2")
+    with pytest.raises(
+        NotExportable, match="'relu2'.*swiglu \\(LlamaForCausalLM\\), gelu \\(ArceeForCausalLM\\)"
+    ):
+        hf_config(cfg, 4096, 0, None)
+    assert GPT(ModelConfig(n_layer=1, d_model=64, n_head=2)).vocab == 4096
