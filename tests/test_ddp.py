@@ -145,3 +145,20 @@ def test_training_resumes_on_another_number_of_processes(small_corpus, tmp_path,
             want += [tuple(row.tolist()) for row in token_ids(b.tokens)]
             b.release()
     assert sorted(got) == sorted(want)
+
+
+@pytest.mark.slow
+def test_an_fsdp2_checkpoint_exports_to_transformers(small_corpus, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from pytrain.export import export
+    from pytrain.model.load import load
+
+    args = [*cfg_args(small_corpus, tmp_path), "--fsdp", "--name", "fsdp", "--max_steps", "2",
+            "--eval_every", "0", "--ckpt_every", "0", "--samples", "0"]  # fmt: skip
+    _torchrun(2, 29561, "elastic_worker.py", str(tmp_path), "fsdp", *args)
+    out = export(tmp_path / "runs" / "fsdp", tmp_path / "hf")
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    ours = load(tmp_path / "runs" / "fsdp").gpt
+    ids = torch.randint(0, 256, (2, 40))
+    with torch.no_grad():
+        assert (model(ids).logits - ours(ids)).abs().max().item() < 1e-4
