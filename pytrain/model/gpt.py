@@ -200,6 +200,8 @@ class GPT(nn.Module):
         super().__init__()
         if cfg.d_model % cfg.n_head:
             raise ValueError(f"d_model {cfg.d_model} is not a multiple of n_head {cfg.n_head}")
+        if cfg.mlp not in ("swiglu", "gelu"):
+            raise ValueError(f"mlp {cfg.mlp!r} is not swiglu or gelu")
         if cfg.residual not in ("fp32", "compute"):
             raise ValueError(f"residual {cfg.residual!r} is not fp32 or compute")
         if cfg.fused_ce not in ("auto", "on", "off"):
