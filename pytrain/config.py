@@ -111,6 +111,11 @@ class DataConfig(LoaderConfig):
     """Validation sets by source, NAME=PATH: a loss per source, and their token-weighted mean
     (TOML: a [data.val_mix] table of NAME = PATH)."""
 
+    @classmethod
+    def from_saved(cls, data: dict) -> DataConfig:
+        """A [data] section as a checkpoint saved it (keys this version lacks are dropped)."""
+        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+
     def mixture(self) -> tuple[dict[str, str], dict[str, float]]:
         """(paths, weights) by source name from `mix`."""
         paths, weights = {}, {}

@@ -25,7 +25,7 @@ def evaluate(model: str, data: list[str], batches: int, device: str = "cpu") -> 
 
     m = load(model, device)
     base = m.config["data"] if m.config else {}
-    d = DataConfig(**{k: v for k, v in base.items() if k in DataConfig.__dataclass_fields__})
+    d = DataConfig.from_saved(base)
     sets: dict[str, Path] = {}
     for item in data:
         label, _, where = item.partition("=") if "=" in item else ("", "", item)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -33,3 +34,10 @@ class ModelConfig:
     """Output layer + cross-entropy as one op that never keeps the logits
     (`pytrain.model.fused_ce`), in training: 'auto' (on CUDA with Triton), 'on', 'off'."""
     max_seq_len: int = 4096
+
+    @property
+    def mlp_hidden(self) -> int:
+        """The MLP's hidden width: SwiGLU's three matrices use 2/3 of GELU's width (the same
+        parameters), rounded up to a multiple of 64 for fast matmuls."""
+        h = int(self.mlp_ratio * self.d_model * (2 / 3 if self.mlp == "swiglu" else 1))
+        return 64 * math.ceil(h / 64)

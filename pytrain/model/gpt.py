@@ -169,9 +169,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.swiglu = cfg.mlp == "swiglu"
-        # SwiGLU's three matrices use 2/3 of the hidden width to match GELU's parameters.
-        hidden = int(cfg.mlp_ratio * cfg.d_model * (2 / 3 if self.swiglu else 1))
-        hidden = 64 * math.ceil(hidden / 64)
+        hidden = cfg.mlp_hidden
         self.up = nn.Linear(cfg.d_model, hidden * (2 if self.swiglu else 1), bias=False)
         self.down = nn.Linear(hidden, cfg.d_model, bias=False)
 

@@ -34,7 +34,7 @@ def hf_config(cfg: ModelConfig, vocab: int, eos_id: int | None, bos_id: int | No
             + ", ".join(f"{k} ({v[1]})" for k, v in ARCHITECTURES.items())
         )
     model_type, arch = ARCHITECTURES[cfg.mlp]
-    hidden = _hidden(cfg)
+    hidden = cfg.mlp_hidden
     out = {
         "architectures": [arch],
         "model_type": model_type,
@@ -59,14 +59,6 @@ def hf_config(cfg: ModelConfig, vocab: int, eos_id: int | None, bos_id: int | No
         "eos_token_id": eos_id,
     }
     return out
-
-
-def _hidden(cfg: ModelConfig) -> int:
-    """The MLP's hidden width as pytrain.model.gpt.MLP computes it."""
-    import math
-
-    h = int(cfg.mlp_ratio * cfg.d_model * (2 / 3 if cfg.mlp == "swiglu" else 1))
-    return 64 * math.ceil(h / 64)
 
 
 def to_hf(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

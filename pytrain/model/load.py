@@ -63,7 +63,7 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> Loaded:
 
 def dataset_of(data: dict) -> Path | None:
     """The (first) training dataset of a saved [data] section, if it is still there."""
-    d = DataConfig(**{k: v for k, v in data.items() if k in DataConfig.__dataclass_fields__})
+    d = DataConfig.from_saved(data)
     path = d.mixture()[0] if d.mix else {"": d.path}
     first = next(iter(path.values()), "")
     return Path(first) if first and (Path(first) / "manifest.json").is_file() else None
