@@ -174,7 +174,11 @@ def dataset_dir(path: str, flag: str) -> Path:
 
 @dataclass
 class OptimConfig:
+    name: str = "adamw"
+    """'adamw', or 'muon': Muon for the 2-D weights of the transformer blocks, AdamW for
+    the embedding, output layer, norms and biases (pytrain/optim/muon.py)."""
     lr: float = 2e-3
+    """Peak learning rate (AdamW's; with optim.name=muon, that of the AdamW groups)."""
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
     schedule: str = "cosine"
@@ -188,6 +192,11 @@ class OptimConfig:
     """Keep the parameters in bf16 and their fp32 copies in the optimizer
     (pytrain.optim.master_adamw): 'auto' (on for bf16 on CUDA in one process), 'on', 'off'
     (fp32 parameters under autocast)."""
+    muon_lr: float = 0.02
+    """optim.name=muon: peak learning rate of the Muon group (same schedule as optim.lr)."""
+    muon_momentum: float = 0.95
+    muon_weight_decay: float = 0.0
+    """optim.name=muon: decoupled weight decay of the Muon group (per step: lr x this)."""
     spike_factor: float = 4.0
     """Skip a step whose loss exceeds this multiple of the running mean (0 disables)."""
     max_bad_steps: int = 10

@@ -25,5 +25,8 @@ def recording_take(n: int):
 
 t.feed.take = recording_take  # type: ignore[method-assign]
 t.fit()
-torch.save({"rows": rows, "step": t.step}, f"{out}/{tag}-rank{t.dist.rank}.pt")
+torch.save(
+    {"rows": rows, "step": t.step, "params": t.gpt.state_dict()},
+    f"{out}/{tag}-rank{t.dist.rank}.pt",
+)
 t.close()

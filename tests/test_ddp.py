@@ -148,6 +148,30 @@ def test_training_resumes_on_another_number_of_processes(small_corpus, tmp_path,
 
 
 @pytest.mark.slow
+def test_muon_under_ddp_keeps_ranks_equal_and_resumes_on_one_process(small_corpus, tmp_path):
+    """Muon (Newton-Schulz on each rank) over DDP's all-reduced gradients: both ranks hold
+    the same weights after 3 steps; a 1-process run continues the checkpoint."""
+    train, _ = small_corpus
+    args = [
+        "--data.path", str(train), "--out_dir", str(tmp_path / "runs"), "--name", "mu",
+        "--max_steps", "4", "--model.n_layer", "1", "--model.n_head", "2", "--model.d_model", "32",
+        "--data.seq_len", "64", "--data.batch_size", "2", "--data.frames_per_block", "1",
+        "--optim.grad_accum", "2", "--optim.name", "muon", "--eval_every", "0", "--ckpt_every", "0",
+        "--samples", "0", "--no-tensorboard", "--no-progress", "--no-compile.safe_env",
+    ]  # fmt: skip
+    _torchrun(2, 29571, "elastic_worker.py", str(tmp_path), "first", *args, "--halt_after", "3")
+    a, b = (torch.load(tmp_path / f"first-rank{r}.pt", weights_only=False) for r in (0, 1))
+    assert a["step"] == b["step"] == 3
+    for name, p in a["params"].items():
+        torch.testing.assert_close(p, b["params"][name], rtol=0, atol=0)
+    log = _torchrun(1, 29572, "elastic_worker.py", str(tmp_path), "second", *args)
+    assert "resuming a run saved on 2 rank(s) on 1" in log
+    c = torch.load(tmp_path / "second-rank0.pt", weights_only=False)
+    assert c["step"] == 4
+    assert any(not torch.equal(p, c["params"][n]) for n, p in a["params"].items())
+
+
+@pytest.mark.slow
 def test_an_fsdp2_checkpoint_exports_to_transformers(small_corpus, tmp_path):
     transformers = pytest.importorskip("transformers")
     from pytrain.export import export

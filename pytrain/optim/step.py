@@ -37,8 +37,10 @@ class OptimizerStep:
         return self.optimizer
 
     def set_lr(self, lr: float) -> None:
+        """The schedule's learning rate (optim.lr's); a group with its own peak rate
+        (Muon's) holds its ratio to optim.lr as `lr_ratio`."""
         for g in self.optimizer.param_groups:
-            g["lr"] = lr
+            g["lr"] = lr * g.get("lr_ratio", 1.0)
 
     def zero_grads(self, keep: bool) -> None:
         """Clears the gradients before a step's backward passes. `keep` (CUDA graphs with

@@ -15,7 +15,7 @@ from pytrain.config import TrainConfig, to_dict
 from pytrain.data.batch import DeviceBatch, DeviceFeed, HostBatch
 from pytrain.model import flash4
 from pytrain.model.gpt import GPT, LossModule, checkpoint_every
-from pytrain.optim import adamw
+from pytrain.optim.build import build_optimizer
 from pytrain.optim.schedule import lr_at
 from pytrain.optim.step import OptimizerStep
 from pytrain.train import checkpoint, compile_policy, distributed, sources
@@ -93,10 +93,10 @@ class Trainer:
 
     def _build_optimizer(self) -> None:
         o = self.cfg.optim
-        self.master = adamw.use_master_weights(
-            o.master_weights, self.device, self.precision.dtype, one_process=not self.dist.enabled
-        )
-        self.optimizer = adamw.make_optimizer(self.gpt, o, self.device, self.master)
+        self.optimizer, self.master = build_optimizer(
+            self.gpt, o, self.device, self.precision.dtype, one_process=not self.dist.enabled,
+            sharded=self.sharded, fp16_scaler=self.precision.scaler is not None,
+        )  # fmt: skip
         self.opt_step = OptimizerStep(
             self.optimizer, self.gpt, self.precision.scaler, self.sharded, o.grad_clip
         )
@@ -182,6 +182,11 @@ class Trainer:
         if found is None:
             return
         state, path = found
+        saved_name = state["config"]["optim"].get("name", "adamw")
+        if saved_name != self.cfg.optim.name:
+            raise checkpoint.CheckpointMismatch(
+                f"{path} was saved with optim.name {saved_name}; resume it with --optim.name {saved_name}"
+            )
         saved_master = "exp_avg_sq" in state["optimizer"]  # MasterAdamW's flat state
         if saved_master != self.master:
             raise checkpoint.CheckpointMismatch(
