@@ -247,6 +247,9 @@ class TrainConfig:
     log_every: int = 10
     ckpt_every: int = 60
     keep_ckpts: int = 3
+    ckpt_async: bool = True
+    """Write checkpoints on a background thread from a snapshot of the step (pinned host
+    copies); off: the loop waits for the file."""
     resume: bool = True
     """Resume from the latest valid checkpoint in runs/<name>/ if there is one."""
     activation_checkpointing: str = "off"

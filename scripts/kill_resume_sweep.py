@@ -2,7 +2,12 @@
 finishes, then check that every step's loss and the final parameters equal an
 uninterrupted run's.
 
-    python scripts/kill_resume_sweep.py [--kills 20] [--steps 400] [--seed 0]
+    python scripts/kill_resume_sweep.py [--kills 20] [--steps 400] [--seed 0] [--slow-write 0.5]
+
+Checkpoints are written in the background (ckpt_async). `--slow-write S` makes each write
+stop for S seconds halfway through the file, so most kills land inside a write and leave
+a truncated temporary file: the sweep counts those, and resume must take the checkpoint
+before it.
 """
 
 from __future__ import annotations
@@ -18,9 +23,26 @@ import tempfile
 import time
 from pathlib import Path
 
+SLOW_WRITE = """
+import io, runpy, sys, time, torch
+real_save, pause = torch.save, float(sys.argv.pop(1))
+def halting_save(obj, f, *a, **k):  # half the bytes, a pause, the rest
+    buf = io.BytesIO(); real_save(obj, buf, *a, **k); data = buf.getvalue()
+    f.write(data[: len(data) // 2]); f.flush(); time.sleep(pause); f.write(data[len(data) // 2 :])
+torch.save = halting_save
+runpy.run_module("pytrain.train", run_name="__main__")
+"""
 
-def train_cmd(train: Path, val: Path, out: Path, steps: int) -> list[str]:
-    return [sys.executable, "-m", "pytrain.train", "--data.path", str(train), "--data.val_path", str(val),
+
+def train_cmd(train: Path, val: Path, out: Path, steps: int, slow_write: float = 0.0) -> list[str]:
+    # The wrapper imports torch before the trainer, whose environment guards refuse that
+    # (they matter for the compiler only, which is off on the CPU).
+    python = (
+        [sys.executable, "-c", SLOW_WRITE, str(slow_write), "--no-compile.safe_env"]
+        if slow_write
+        else [sys.executable, "-m", "pytrain.train"]
+    )
+    return [*python, "--data.path", str(train), "--data.val_path", str(val),
             "--out_dir", str(out), "--name", "k", "--model.n_layer", "2", "--model.n_head", "2",
             "--model.d_model", "64", "--data.seq_len", "64", "--data.batch_size", "4",
             "--data.frames_per_block", "2", "--max_steps", str(steps), "--eval_every", "0",
@@ -33,10 +55,13 @@ def losses_by_step(log: Path) -> dict[int, str]:
     return {int(s): loss for s, loss in re.findall(r"step (\d+) loss (\S+)", log.read_text())}
 
 
-def kill_and_resume(cmd: list[str], kills: int, seed: int, env: dict, window=(3.0, 6.0)) -> int:
-    """Runs `cmd` to completion, SIGKILLing it `kills` times at random moments."""
+def kill_and_resume(
+    cmd: list[str], kills: int, seed: int, env: dict, run_dir: Path, window=(3.0, 6.0)
+) -> tuple[int, int]:
+    """Runs `cmd` to completion, SIGKILLing it `kills` times at random moments. Returns
+    (kills, kills that left a checkpoint write unfinished: a temporary file in run_dir)."""
     rng = random.Random(seed)
-    done = 0
+    done = mid_write = 0
     while True:
         p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
         if done < kills:
@@ -45,11 +70,12 @@ def kill_and_resume(cmd: list[str], kills: int, seed: int, env: dict, window=(3.
                 p.send_signal(signal.SIGKILL)
                 p.wait()
                 done += 1
+                mid_write += any(run_dir.glob(".ckpt-*.tmp-*"))
                 continue
         _, err = p.communicate(timeout=600)
         if p.returncode != 0:
             raise RuntimeError(err.decode()[-3000:])
-        return done
+        return done, mid_write
 
 
 def same_final_params(a: Path, b: Path) -> bool:
@@ -69,6 +95,7 @@ def main() -> int:
     p.add_argument("--kills", type=int, default=20)
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slow-write", type=float, default=0.0)
     p.add_argument("--work", type=Path, default=Path(tempfile.mkdtemp(prefix="pytrain-kill-")))
     args = p.parse_args()
     from pytrain import _loader
@@ -94,11 +121,18 @@ def main() -> int:
         print(ref.stderr[-3000:])
         return 1
     t0 = time.perf_counter()
-    kills = kill_and_resume(
-        train_cmd(args.work / "train", args.work / "val", args.work / "killed", args.steps),
+    kills, mid_write = kill_and_resume(
+        train_cmd(
+            args.work / "train",
+            args.work / "val",
+            args.work / "killed",
+            args.steps,
+            args.slow_write,
+        ),
         args.kills,
         args.seed,
         env,
+        args.work / "killed" / "k",
         window=(2.5, 5.0),
     )
     want = losses_by_step(args.work / "ref" / "k" / "train.log")
@@ -107,7 +141,7 @@ def main() -> int:
     params = same_final_params(args.work / "ref" / "k" / ckpt, args.work / "killed" / "k" / ckpt)
     ok = got == want and params
     print(
-        f"{kills} SIGKILLs over {time.perf_counter() - t0:.0f}s; losses of all {len(want)} steps equal: {got == want}; final parameters and loader state equal: {params}"
+        f"{kills} SIGKILLs ({mid_write} inside a checkpoint write) over {time.perf_counter() - t0:.0f}s; losses of all {len(want)} steps equal: {got == want}; final parameters and loader state equal: {params}"
     )
     return 0 if ok else 1
 

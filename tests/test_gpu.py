@@ -310,6 +310,25 @@ def test_cli_run_with_evaluation_checkpoints_and_resume(tmp_path=None):
     assert "recompile(s) after warm-up" not in outs[0].stdout + outs[1].stdout
 
 
+@needs_cuda
+def test_async_checkpoint_snapshot_of_device_tensors(tmp_path=None):
+    """The background writer copies device tensors to pinned memory on the stream at submit
+    time: kernels queued afterwards (the next training step) do not reach the file."""
+    from pytrain.train import checkpoint
+
+    tmp_path = tmp_path or Path(tempfile.mkdtemp())
+    w = torch.arange(1 << 22, device="cuda", dtype=torch.float32)
+    want = w.cpu()
+    writer = checkpoint.AsyncWriter()
+    for step in (1, 2):  # the second reuses the pinned buffers
+        writer.submit(tmp_path, step, {"model": {"w": w}, "step": step}, keep=3)
+        w.mul_(2).add_(1)  # queued right behind the copy, no sync in between
+        writer.wait()
+        saved = torch.load(checkpoint.ckpt_path(tmp_path, step), weights_only=False)
+        assert torch.equal(saved["model"]["w"], want), step
+        want = w.cpu()
+
+
 if __name__ == "__main__":
     if not torch.cuda.is_available():
         sys.exit("no CUDA device")
@@ -320,7 +339,8 @@ if __name__ == "__main__":
     test_cuda_graphs_with_gradient_accumulation_match_default_compile()
     test_master_adamw_kernels_equal_the_torch_path_on_the_gpu()
     test_cli_run_with_evaluation_checkpoints_and_resume()
-    ran = ["copy", "guard", "fused_ce", "graphs+accumulation", "master_adamw", "cli"]
+    test_async_checkpoint_snapshot_of_device_tensors()
+    ran = ["copy", "guard", "fused_ce", "graphs+accumulation", "master_adamw", "cli", "async_ckpt"]
     if fa4_available():
         test_fa4_segments_equal_document_masked_sdpa()
         test_fa4_model_compiles_and_matches_the_masked_model()

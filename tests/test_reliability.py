@@ -28,10 +28,16 @@ def test_sigkill_at_random_points_then_resume_matches_uninterrupted(small_corpus
         train_cmd(train, val, tmp_path / "ref", steps), capture_output=True, text=True, env=env
     )
     assert ref.returncode == 0, ref.stderr[-3000:]
-    kills = kill_and_resume(
-        train_cmd(train, val, tmp_path / "killed", steps), kills=3, seed=1, env=env
+    # Each background checkpoint write pauses halfway for 0.15 s (of ~0.03 s a step), so
+    # kills land inside writes and leave truncated temporary files behind.
+    kills, mid_write = kill_and_resume(
+        train_cmd(train, val, tmp_path / "killed", steps, slow_write=0.15),
+        kills=3,
+        seed=1,
+        env=env,
+        run_dir=tmp_path / "killed" / "k",
     )
-    assert kills == 3
+    assert kills == 3 and mid_write >= 2, (kills, mid_write)
     want = losses_by_step(tmp_path / "ref" / "k" / "train.log")
     got = losses_by_step(tmp_path / "killed" / "k" / "train.log")
     assert sorted(want) == list(range(1, steps + 1))

@@ -1,12 +1,21 @@
 """Checkpoints that survive a kill: written to a temporary file, fsynced, renamed into
 place; the last K are kept; resume takes the newest one that loads (a truncated file is
-skipped with a warning)."""
+skipped with a warning).
+
+Saving does not stop training (`AsyncWriter`): the state is copied at the step boundary,
+device tensors into pinned host buffers by copies queued on the current stream (so they
+see exactly that step's values and the next step's kernels queue behind them), host
+tensors by clone, and a background thread waits for the copies and writes the file.
+One write is in flight at a time; the next save waits for it (its buffers are reused)."""
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 import re
+import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -56,6 +65,9 @@ def save(run_dir: Path, step: int, state: dict, keep: int) -> Path:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, final)
+    for stale in run_dir.glob(".ckpt-*.tmp-*"):  # writes a killed process left unfinished
+        if stale != tmp and not stale.name.endswith(f".tmp-{os.getpid()}"):
+            stale.unlink(missing_ok=True)
     fd = os.open(run_dir, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -84,3 +96,76 @@ def load_latest(run_dir: Path) -> tuple[dict, Path] | None:
                 f"skipping unreadable checkpoint {path}: {type(e).__name__}: {e}", stacklevel=2
             )
     return None
+
+
+class AsyncWriter:
+    """Writes checkpoints on a background thread from a snapshot taken at submit time.
+
+    `submit` returns once the snapshot's copies are queued (for device tensors) or done
+    (host tensors); `wait` blocks until the write in flight is on disk and re-raises its
+    error, if any. The thread is not a daemon: a process that ends normally finishes the
+    write first; one that is killed leaves a temporary file that resume ignores."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._pinned: dict[str, torch.Tensor] = {}  # host buffers by place in the state
+        self.last: tuple[Path, float] | None = None  # (path, seconds the write took)
+
+    def submit(self, run_dir: Path, step: int, state: dict, keep: int) -> None:
+        self.wait()  # one write at a time: the pinned buffers are about to be reused
+        event = None
+        snapshot = self._copy(state, "")
+        if any(t.is_cuda for t in _tensors(state)):
+            event = torch.cuda.Event()
+            event.record()
+        self._thread = threading.Thread(
+            target=self._write, args=(run_dir, step, snapshot, keep, event), name="ckpt-writer"
+        )
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _write(self, run_dir: Path, step: int, snapshot: dict, keep: int, event) -> None:
+        try:
+            t0 = time.perf_counter()
+            if event is not None:
+                event.synchronize()  # the device-to-host copies have landed
+            path = save(run_dir, step, snapshot, keep)
+            self.last = (path, time.perf_counter() - t0)
+        except BaseException as e:  # handed to the training thread at its next wait()
+            self._error = e
+
+    def _copy(self, obj, where: str):
+        if isinstance(obj, torch.Tensor):
+            if not obj.is_cuda:
+                return obj.detach().clone()
+            buf = self._pinned.get(where)
+            if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
+                buf = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=True)
+                self._pinned[where] = buf
+            buf.copy_(obj.detach(), non_blocking=True)
+            return buf
+        if isinstance(obj, dict):
+            return {k: self._copy(v, f"{where}/{k}") for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            items = [self._copy(v, f"{where}/{i}") for i, v in enumerate(obj)]
+            return items if isinstance(obj, list) else tuple(items)
+        return copy.deepcopy(obj)
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)

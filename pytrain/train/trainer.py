@@ -56,6 +56,7 @@ class Trainer:
         self._build_optimizer()
         self.compiler = self._compiler()
         self.step = self.tokens_seen = 0
+        self.ckpt_writer = checkpoint.AsyncWriter()
         self._resume()
         self.attention = self.gpt.attention_backend(self.device, compiled=not self.compiler.eager)
         # Micro-batches on the device, with document segments only where the attention
@@ -169,10 +170,26 @@ class Trainer:
         }
 
     def save_checkpoint(self) -> None:
+        """Saves this step's state: in the background (ckpt_async; the step loop goes on
+        once the snapshot's copies are queued), or written here before returning."""
+        t0 = time.perf_counter()
         state = self._state()
         if self.dist.is_main:
-            path = checkpoint.save(self.run_dir, self.step, state, self.cfg.keep_ckpts)
-            self.log.text(f"checkpoint {path}")
+            path = checkpoint.ckpt_path(self.run_dir, self.step)
+            if self.cfg.ckpt_async:
+                self.ckpt_writer.submit(self.run_dir, self.step, state, self.cfg.keep_ckpts)
+            else:
+                checkpoint.save(self.run_dir, self.step, state, self.cfg.keep_ckpts)
+            how = "written in the background" if self.cfg.ckpt_async else "written"
+            self.log.text(
+                f"checkpoint {path} ({how}; the loop waited {time.perf_counter() - t0:.3f}s)"
+            )
+        if not self.cfg.ckpt_async:
+            distributed.barrier(self.dist)
+
+    def finish_checkpoints(self) -> None:
+        """Waits for a checkpoint being written (and raises its error, if any)."""
+        self.ckpt_writer.wait()
         distributed.barrier(self.dist)
 
     def _resume(self) -> None:
@@ -436,6 +453,7 @@ class Trainer:
             self.steplog.eval(self.step, val)
         if not (cfg.ckpt_every and self.step % cfg.ckpt_every == 0):
             self.save_checkpoint()
+        self.finish_checkpoints()  # the run's last checkpoint is on disk when fit returns
         graphs, warning = self.compiler.summary(check_recompiles=not self.dist.enabled)
         if warning:
             self.say(warning)
@@ -452,6 +470,7 @@ class Trainer:
         }
 
     def close(self) -> None:
+        self.ckpt_writer.wait()
         self.feed.close()
         self.log.close()
         distributed.shutdown(self.dist)
