@@ -3,6 +3,12 @@ nanoGPT's bench.py at the same model size and batch, in one run.
 
     python scripts/bench_train_gpu.py --nanogpt PATH_TO_NANOGPT [--steps 300] [--batch 12]
 
+The first variant, `preset`, is the preset as shipped (configs/gpt2-124m.toml with no
+flag that changes the step: its attention choice, 16 x 1,024 tokens x 32 micro-batches
+per optimizer step, CUDA graphs, tuning): the first line printed is what a user gets.
+`preset+FLAG` adds trainer flags to it. The other variants run one micro-batch of
+`--batch` rows per step, as bench.py does.
+
 Both see synthetic token ids (ours through the real loader from a synthetic dataset on
 disk, nanoGPT's bench from torch.randint on the device). Tokens/s is batch x seq_len per
 optimizer step, the median over the steps after warm-up. Prints a table last."""
@@ -37,20 +43,26 @@ def run_ours(
     data: Path,
     out: Path,
     steps: int,
-    batch: int,
-    attention: str,
-    compile_mode: str,
+    batch: int | None,
+    attention: str | None,
+    compile_mode: str | None,
     extra: list[str],
     tag: str = "",
     env: dict[str, str] | None = None,
 ) -> dict:
-    name = f"ours-{attention}-{compile_mode}" + (f"-{tag}" if tag else "")
+    """One run of the trainer; batch/attention/compile_mode None: the preset's own."""
+    if attention is None:
+        name = "ours-preset-as-shipped" + (f"-{tag}" if tag else "")
+        step_flags = []
+    else:
+        name = f"ours-{attention}-{compile_mode}" + (f"-{tag}" if tag else "")
+        step_flags = ["--optim.grad_accum", "1", "--data.batch_size", str(batch),
+                      "--model.attention", attention, "--compile.mode", str(compile_mode)]  # fmt: skip
     cmd = [
         sys.executable, "-m", "pytrain.train", "--config", str(ROOT / "configs/gpt2-124m.toml"),
         "--data.path", str(data), "--out_dir", str(out), "--name", name, "--no-resume",
-        "--max_steps", str(steps), "--optim.grad_accum", "1", "--data.batch_size", str(batch),
-        "--eval_every", "0", "--ckpt_every", "0", "--log_every", "1", "--samples", "0", "--no-progress",
-        "--model.attention", attention, "--compile.mode", compile_mode, *extra,
+        "--max_steps", str(steps), "--eval_every", "0", "--ckpt_every", "0", "--log_every", "1",
+        "--samples", "0", "--no-progress", *step_flags, *extra,
     ]  # fmt: skip
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
@@ -138,8 +150,14 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=12)
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "pytrain-bench")
     p.add_argument(
+        "--preset-steps",
+        type=int,
+        default=40,
+        help="optimizer steps of the preset variants (each 32 micro-batches)",
+    )
+    p.add_argument(
         "--variants",
-        default="causal:default,causal:default:cudnn,flex:default",
+        default="preset,causal:reduce-overhead",
         help="attention:compile_mode[:sdpa_backend[:cdt]], comma-separated, on top of the preset "
         "(configs/gpt2-124m.toml); cdt turns on Inductor's "
         "coordinate-descent tuning; '+FLAG' appends a trainer flag (e.g. +--activation_checkpointing=full), "
@@ -161,9 +179,26 @@ def main() -> int:
     results = []
     for v in args.variants.split(","):
         spec, *flags = v.split("+")
-        attention, mode, backend, tuning = (spec.split(":") + ["auto", ""])[:4]
         run_env = dict(f.removeprefix("env:").split("=", 1) for f in flags if f.startswith("env:"))
         flags = [f for f in flags if not f.startswith("env:")]
+        if spec == "preset":
+            tag = "-".join(f.lstrip("-").replace("=", "_") for f in (*flags, *run_env))
+            results.append(
+                run_ours(
+                    data,
+                    args.work / "runs",
+                    args.preset_steps,
+                    None,
+                    None,
+                    None,
+                    flags,
+                    tag,
+                    run_env,
+                )
+            )
+            print(json.dumps(results[-1]), flush=True)
+            continue
+        attention, mode, backend, tuning = (spec.split(":") + ["auto", ""])[:4]
         extra = ["--model.sdpa_backend", backend, *flags]
         if tuning == "cdt":  # Inductor's coordinate-descent tuning of its generated kernels
             extra.append("--compile.coordinate_descent")

@@ -310,6 +310,41 @@ def test_cli_run_with_evaluation_checkpoints_and_resume(tmp_path=None):
     assert "recompile(s) after warm-up" not in outs[0].stdout + outs[1].stdout
 
 
+def torchao_available() -> bool:
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.skipif(not torchao_available(), reason="needs torchao and an FP8 GPU")
+def test_float8_blocks_keep_the_loss_and_gradients_close():
+    """--model.float8 tensorwise: the compiled model's loss within 1% of bf16's, gradients
+    within 10% (FP8 has 3 mantissa bits; this checks wiring, not convergence)."""
+    from pytrain.model import float8
+    from pytrain.model.gpt import GPT, ModelConfig
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=50304, n_layer=2, n_head=4, d_model=256)
+    gpt = GPT(cfg).cuda().train()
+    ids = torch.randint(0, 50257, (4, 513), device="cuda")
+    args = (
+        ids[:, :-1],
+        ids[:, 1:],
+        None,
+        torch.ones(4, 512, dtype=torch.bool, device="cuda"),
+        None,
+    )
+    want = bf16_loss_and_grads(gpt, gpt.loss_sum, *args)
+    assert float8.convert(gpt, "tensorwise", torch.device("cuda")) == 2 * 4  # qkv, proj, up, down
+    got = bf16_loss_and_grads(gpt, torch.compile(gpt.loss_sum), *args)
+    assert abs(got[0] - want[0]) < 1e-2 * abs(want[0]), (got[0], want[0])
+    for (name, _), a, b in zip(gpt.named_parameters(), got[1], want[1], strict=True):
+        err = float((a - b).norm() / b.norm().clamp_min(1e-12))
+        assert err < 0.1, (name, err)
+
+
 @needs_cuda
 def test_async_checkpoint_snapshot_of_device_tensors(tmp_path=None):
     """The background writer copies device tensors to pinned memory on the stream at submit
@@ -341,6 +376,9 @@ if __name__ == "__main__":
     test_cli_run_with_evaluation_checkpoints_and_resume()
     test_async_checkpoint_snapshot_of_device_tensors()
     ran = ["copy", "guard", "fused_ce", "graphs+accumulation", "master_adamw", "cli", "async_ckpt"]
+    if torchao_available():
+        test_float8_blocks_keep_the_loss_and_gradients_close()
+        ran.append("float8")
     if fa4_available():
         test_fa4_segments_equal_document_masked_sdpa()
         test_fa4_model_compiles_and_matches_the_masked_model()

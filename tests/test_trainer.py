@@ -286,6 +286,20 @@ def test_fa4_without_its_gpu_is_a_clear_error():
         gpt.make_mask(torch.zeros(1, 4, dtype=torch.int32), "fa4", None)
 
 
+def test_float8_refusals_name_what_is_missing(small_corpus, tmp_path):
+    from pytrain.config import ConfigError
+    from pytrain.model import float8
+    from pytrain.model.config import ModelConfig
+    from pytrain.model.gpt import GPT
+
+    gpt = GPT(ModelConfig(vocab_size=64, n_layer=1, n_head=2, d_model=32))
+    with pytest.raises(ConfigError, match="expected one of off, tensorwise, rowwise"):
+        float8.convert(gpt, "e4m3", torch.device("cpu"))
+    assert float8.convert(gpt, "off", torch.device("cpu")) == 0
+    with pytest.raises(ConfigError, match="needs an NVIDIA GPU with FP8"):
+        Trainer(small_cfg(small_corpus, tmp_path, "--model.float8", "tensorwise"))
+
+
 def test_fused_optimizer_path_with_clipping_inside_matches_the_plain_path(
     small_corpus, tmp_path, monkeypatch
 ):

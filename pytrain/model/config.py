@@ -33,6 +33,10 @@ class ModelConfig:
     fused_ce: str = "auto"
     """Output layer + cross-entropy as one op that never keeps the logits
     (`pytrain.model.fused_ce`), in training: 'auto' (on CUDA with Triton), 'on', 'off'."""
+    float8: str = "off"
+    """FP8 matmuls for the blocks' linear layers in training, through torchao (optional
+    extra `float8`; GPUs with FP8: Ada, Hopper, Blackwell): 'off', 'tensorwise' or
+    'rowwise' (torchao's recipes). pytrain/model/float8.py."""
     max_seq_len: int = 4096
 
     @property

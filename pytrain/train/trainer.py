@@ -13,7 +13,7 @@ import torch
 
 from pytrain.config import TrainConfig, to_dict
 from pytrain.data.batch import DeviceBatch, DeviceFeed, HostBatch
-from pytrain.model import flash4
+from pytrain.model import flash4, float8
 from pytrain.model.gpt import GPT, LossModule, checkpoint_every
 from pytrain.optim.build import build_optimizer
 from pytrain.optim.schedule import lr_at
@@ -86,6 +86,9 @@ class Trainer:
             cfg.model.max_seq_len, cfg.data.seq_len, max(cfg.data.bucket_lengths)
         )
         self.gpt = GPT(cfg.model).to(self.device)
+        if cfg.model.float8 != "off":
+            n = float8.convert(self.gpt, cfg.model.float8, self.device)
+            self.say(f"float8 ({cfg.model.float8}, torchao): {n} linear layers of the blocks")
         self.ckpt_every = checkpoint_every(cfg.activation_checkpointing)
         self.gpt.set_activation_checkpointing(self.ckpt_every)
         self.loss_module = LossModule(self.gpt)

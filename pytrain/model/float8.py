@@ -1,0 +1,50 @@
+"""FP8 training of the blocks' linear layers through torchao (`--model.float8`).
+
+torchao's Float8Linear casts a layer's input, weight and output gradient to float8 with
+dynamic scales (per tensor, or per row) and multiplies with `torch._scaled_mm`; the
+weights, the optimizer and the checkpoints stay as they are (same state dict keys), so
+export and resume do not change. The embedding and the output layer (fused with the loss)
+stay in bf16, as in the FP8 recipes of torchtitan and modded-nanogpt."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pytrain.config import ConfigError
+
+RECIPES = ("off", "tensorwise", "rowwise")
+
+
+def convert(model: nn.Module, recipe: str, device: torch.device) -> int:
+    """Swaps the blocks' nn.Linear layers for torchao's Float8Linear; returns how many."""
+    if recipe not in RECIPES:
+        raise ConfigError(f"model.float8 is {recipe!r}; expected one of {', '.join(RECIPES)}")
+    if recipe == "off":
+        return 0
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+        raise ConfigError(
+            f"model.float8={recipe} needs an NVIDIA GPU with FP8 matmuls (Ada, Hopper or later); "
+            f"this run is on {device}"
+        )
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError:
+        raise ConfigError(
+            f"model.float8={recipe} needs torchao: pip install 'pytrain[float8]'"
+        ) from None
+
+    def blocks_linear(module: nn.Module, fqn: str) -> bool:
+        # _scaled_mm needs both dimensions divisible by 16.
+        return (
+            fqn.startswith("blocks.")
+            and isinstance(module, nn.Linear)
+            and module.in_features % 16 == 0
+            and module.out_features % 16 == 0
+        )
+
+    before = sum(isinstance(m, nn.Linear) for m in model.modules())
+    convert_to_float8_training(
+        model, config=Float8LinearConfig.from_recipe_name(recipe), module_filter_fn=blocks_linear
+    )
+    return before - sum(type(m) is nn.Linear for m in model.modules())
