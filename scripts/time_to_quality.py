@@ -35,6 +35,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -83,8 +84,9 @@ def prepare(work: Path, tokenizer: Path, max_mb: int) -> None:
 
 
 def run(which: str, work: Path, peer: Path, budget: float, extra: list[str]) -> None:
-    out = work / which
-    out.mkdir(parents=True, exist_ok=True)
+    out = (work / which).resolve()  # absolute: nanoGPT runs in its own directory
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
     t0 = time.time()
     if which == "nanogpt":
         data = peer / "data" / "ttq"
@@ -106,7 +108,7 @@ def run(which: str, work: Path, peer: Path, budget: float, extra: list[str]) -> 
         cmd = [
             sys.executable, "-m", "pytrain.train", "--config", str(ROOT / "configs/gpt2-124m.toml"),
             "--data.path", str(work / "train"), "--data.val_path", str(work / "val"),
-            "--out_dir", str(work), "--name", which, "--no-resume", "--max_steps", str(STEPS),
+            "--out_dir", str(out.parent), "--name", which, "--no-resume", "--max_steps", str(STEPS),
             "--optim.warmup_steps", str(WARMUP), "--optim.lr", str(LR), "--optim.min_lr_ratio", "0.1",
             "--eval_every", "0", "--ckpt_every", str(EVERY), "--keep_ckpts", "1000", "--samples", "0",
             "--no-progress", "--no-compile.coordinate_descent", "--log_every", "10",
