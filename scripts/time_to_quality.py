@@ -223,6 +223,7 @@ def evaluate(which: str, work: Path, peer: Path) -> None:
             wall = state["wall_s"]
 
             def logits_of(x, model=model):
+                x = x.contiguous()
                 return model(x, x)[0]  # with targets: logits at every position
         else:
             from pytrain.model.load import load
