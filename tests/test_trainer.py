@@ -4,6 +4,7 @@ compile fallback, and a short end-to-end run."""
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -371,3 +372,23 @@ def test_mixture_training_logs_sources_and_a_validation_loss_per_set(small_corpu
     srcs = t.feed.state_dict()["sources"]
     assert all(s["tokens"] > 0 for s in srcs)
     t.close()
+
+
+def test_step_log_averages_throughput_over_the_window_between_lines(tmp_path):
+    """A step read late then one read early (0.9 ms, seen next to checkpoints on the H100)
+    log their average, not a 1000x tokens/s."""
+    from types import SimpleNamespace
+
+    from pytrain.train.metrics import RunLog, StepLog
+
+    log = RunLog(tmp_path, True, False)
+    steps = StepLog(log, lambda *a: None, flops_token=1.0, peak=None, world_size=1,
+                    log_every=2, progress=False, device=torch.device("cpu"))  # fmt: skip
+    r = SimpleNamespace(tokens=1000, loss=1.0, grad_norm=1.0, skipped=None)
+    for number, dt in ((1, 1.0), (2, 1.999), (3, 0.001), (4, 1.0), (5, 1.0), (6, 1.0)):
+        steps.step(r, number, dt, 0.0, 1e-3, 0, 0)
+    log.close()
+    text = (tmp_path / "train.log").read_text()
+    got = [float(t.replace(",", "")) for t in re.findall(r"tok/s ([\d,]+)", text)]
+    # step 1 alone; step 2 (1.999 s); steps 3-4: 2,000 tokens in 1.001 s, not 1,000 in 1 ms.
+    assert got == [1000, 500, 1998, 1000], got

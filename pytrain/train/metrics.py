@@ -118,6 +118,11 @@ class StepLog:
         self.flops_token, self.peak, self.world_size = flops_token, peak, world_size
         self.log_every, self.progress, self.device = log_every, progress, device
         self.bar = None
+        self._window: tuple[int, float, int] = (
+            0,
+            0.0,
+            0,
+        )  # tokens, seconds, steps since the last line
 
     def open_bar(self, total: int, initial: int) -> None:
         if self.progress:
@@ -135,8 +140,16 @@ class StepLog:
     def step(
         self, r, number: int, dt: float, wait: float, lr: float, skipped: int, fallbacks: int
     ) -> None:
-        """Logs the step (a `guard.StepResult`) that completed step count `number`."""
-        tok_s = r.tokens / dt
+        """Logs the step (a `guard.StepResult`) that completed step count `number`.
+        Tokens/s, step time and MFU are averaged over the steps since the last text line:
+        a single step's period, measured on the host between reads of its values, can
+        swing (a host that queued a step late reads it late, then the next one early:
+        seen as 0.9 ms "steps" next to checkpoints), while their sum is exact."""
+        tokens, seconds, steps = self._window
+        tokens, seconds, steps = tokens + r.tokens, seconds + dt, steps + 1
+        self._window = (tokens, seconds, steps)
+        tok_s = tokens / seconds
+        dt = seconds / steps
         mfu = tok_s * self.flops_token / (self.peak * self.world_size) if self.peak else None
         values: dict[str, float | None] = {
             "train/loss": r.loss,
@@ -165,6 +178,7 @@ class StepLog:
                 + (f" mfu {mfu:.1%}" if mfu else "")
             )
             self.log.text(line)
+            self._window = (0, 0.0, 0)
 
     def eval(self, step: int, val: float | None) -> None:
         if val is None:
