@@ -1,0 +1,75 @@
+"""How long a checkpoint save holds the training loop: written in the loop (before) or
+handed to the background writer (ckpt_async), for the GPT-2 124M preset's state (model,
+AdamW moments; on CUDA the model and optimizer live on the GPU and are snapshotted into
+pinned memory).
+
+    python scripts/bench_checkpoint.py [--device cuda] [--saves 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pytrain.model.config import ModelConfig  # noqa: E402
+from pytrain.model.gpt import GPT  # noqa: E402
+from pytrain.train import checkpoint  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--saves", type=int, default=3)
+    p.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
+    args = p.parse_args()
+    cfg = ModelConfig(vocab_size=50304, n_layer=12, n_head=12, d_model=768, mlp="gelu")
+    model = GPT(cfg).to(args.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for q in model.parameters():
+        q.grad = torch.zeros_like(q)
+    opt.step()  # the moments exist
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 1}
+    gb = sum(t.numel() * t.element_size() for t in checkpoint._tensors(state)) / 1e9
+    args.dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(dir=args.dir))
+    rows = []
+    try:
+        for mode in ("in the loop", "background"):
+            writer = checkpoint.AsyncWriter()
+            held, total = [], []
+            for i in range(args.saves):
+                if args.device == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                if mode == "background":
+                    writer.submit(work, i, state, keep=1)
+                else:
+                    checkpoint.save(work, i, state, keep=1)
+                held.append(time.perf_counter() - t0)
+                writer.wait()
+                total.append(time.perf_counter() - t0)
+            rows.append((mode, min(held), max(held), min(total)))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(
+        f"GPT-2 124M state: {gb:.2f} GB on {args.device}; torch {torch.__version__}; {args.saves} saves each"
+    )
+    print("| save | loop held (min) | loop held (max) | save done after |")
+    print("|---|---|---|---|")
+    for mode, lo, hi, done in rows:
+        print(f"| {mode} | {lo * 1e3:.1f} ms | {hi * 1e3:.1f} ms | {done:.2f} s |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
