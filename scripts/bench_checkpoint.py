@@ -39,7 +39,8 @@ def main() -> int:
         q.grad = torch.zeros_like(q)
     opt.step()  # the moments exist
     state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 1}
-    gb = sum(t.numel() * t.element_size() for t in checkpoint._tensors(state)) / 1e9
+    tensors = [*state["model"].values(), *(v for st in opt.state.values() for v in st.values())]
+    gb = sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t)) / 1e9
     args.dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(dir=args.dir))
     rows = []

@@ -162,18 +162,18 @@ runpy.run_path("train.py", run_name="__main__")
 """
 
 
-def snapshots(which: str, work: Path) -> list[tuple[int, float, Path]]:
-    """(step, wall seconds since launch, file) of a run's snapshots."""
+def snapshots(which: str, work: Path) -> list[tuple[int, float | None, Path]]:
+    """(step, wall seconds since launch, file) of a run's snapshots; nanoGPT's carry their
+    wall time inside (None here)."""
     out = work / which
     t0 = json.loads((out / "run.json").read_text())["t0"]
     if which == "nanogpt":
-        found = []
-        for f in sorted((out / "snapshots").glob("snap-*.pt")):
-            step = int(f.stem.split("-")[1])
-            found.append((step, None, f))
-        return found  # type: ignore[return-value]
+        return [
+            (int(f.stem.split("-")[1]), None, f)
+            for f in sorted((out / "snapshots").glob("snap-*.pt"))
+        ]
     log = (out / "train.log").read_text()
-    found = []
+    found: list[tuple[int, float | None, Path]] = []
     for stamp, path in re.findall(r"^(\S+ \S+) checkpoint (\S+)", log, re.M):
         wall = datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S").timestamp() - t0
         step = int(re.search(r"ckpt-(\d+)\.pt", path).group(1))

@@ -94,11 +94,10 @@ def split_parameters(
     """(Muon's, AdamW's with weight decay, AdamW's without): the 2-D weights inside the
     transformer blocks go to Muon; the embedding and the output layer (tied or not) to
     AdamW with decay; norms and biases to AdamW without. Each parameter once."""
-    muon, decay, no_decay, seen = [], [], [], set()
-    for name, p in model.named_parameters():
-        if not p.requires_grad or id(p) in seen:
+    muon, decay, no_decay = [], [], []
+    for name, p in model.named_parameters():  # a tied weight comes once, under its first name
+        if not p.requires_grad:
             continue
-        seen.add(id(p))
         if p.dim() == 2 and name.startswith("blocks."):
             muon.append(p)
         elif p.dim() >= 2:

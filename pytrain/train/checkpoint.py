@@ -66,7 +66,7 @@ def save(run_dir: Path, step: int, state: dict, keep: int) -> Path:
         os.fsync(f.fileno())
     os.replace(tmp, final)
     for stale in run_dir.glob(".ckpt-*.tmp-*"):  # writes a killed process left unfinished
-        if stale != tmp and not stale.name.endswith(f".tmp-{os.getpid()}"):
+        if not stale.name.endswith(f".tmp-{os.getpid()}"):
             stale.unlink(missing_ok=True)
     fd = os.open(run_dir, os.O_RDONLY)
     try:
@@ -110,13 +110,15 @@ class AsyncWriter:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._pinned: dict[str, torch.Tensor] = {}  # host buffers by place in the state
+        self._queued_copies = False  # device-to-host copies of the snapshot being taken
         self.last: tuple[Path, float] | None = None  # (path, seconds the write took)
 
     def submit(self, run_dir: Path, step: int, state: dict, keep: int) -> None:
         self.wait()  # one write at a time: the pinned buffers are about to be reused
-        event = None
+        self._queued_copies = False
         snapshot = self._copy(state, "")
-        if any(t.is_cuda for t in _tensors(state)):
+        event = None
+        if self._queued_copies:
             event = torch.cuda.Event()
             event.record()
         self._thread = threading.Thread(
@@ -151,6 +153,7 @@ class AsyncWriter:
                 buf = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=True)
                 self._pinned[where] = buf
             buf.copy_(obj.detach(), non_blocking=True)
+            self._queued_copies = True
             return buf
         if isinstance(obj, dict):
             return {k: self._copy(v, f"{where}/{k}") for k, v in obj.items()}
@@ -158,14 +161,3 @@ class AsyncWriter:
             items = [self._copy(v, f"{where}/{i}") for i, v in enumerate(obj)]
             return items if isinstance(obj, list) else tuple(items)
         return copy.deepcopy(obj)
-
-
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)

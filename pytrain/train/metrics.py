@@ -118,11 +118,8 @@ class StepLog:
         self.flops_token, self.peak, self.world_size = flops_token, peak, world_size
         self.log_every, self.progress, self.device = log_every, progress, device
         self.bar = None
-        self._window: tuple[int, float, int] = (
-            0,
-            0.0,
-            0,
-        )  # tokens, seconds, steps since the last line
+        # Tokens, seconds and steps since the last text line.
+        self._window: tuple[int, float, int] = (0, 0.0, 0)
 
     def open_bar(self, total: int, initial: int) -> None:
         if self.progress:
