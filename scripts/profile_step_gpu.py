@@ -1,6 +1,7 @@
 """Where a training step's time goes on the GPU, ours next to nanoGPT's, in one run.
 
     python scripts/profile_step_gpu.py --nanogpt PATH [--batch 12] [--ours-flags "..."]
+    python scripts/profile_step_gpu.py --nanogpt PATH --as-shipped   # the preset's own step
 
 Ours: the GPT-2 124M preset through `python -m pytrain.train --profile_steps 40:50` (the
 real trainer: loader, guard, logging). nanoGPT: its model.py and bench.py's loop (random
@@ -27,14 +28,20 @@ from bench_train_gpu import synthetic_dataset  # noqa: E402 (scripts/ is sys.pat
 from pytrain.train.profiling import StepProfiler, format_summary  # noqa: E402
 
 
-def profile_ours(data: Path, out: Path, batch: int, flags: list[str]) -> dict:
+def profile_ours(data: Path, out: Path, batch: int | None, flags: list[str]) -> dict:
+    """batch None: the preset as shipped (its batch and 32 micro-batches per step), steps
+    5-7 of 8; otherwise one micro-batch of `batch` rows a step as bench.py, steps 40-50."""
     name = "profile-ours"
+    if batch is None:
+        shape = ["--max_steps", "8", "--profile_steps", "5:7"]
+    else:
+        shape = ["--max_steps", "60", "--profile_steps", "40:50", "--optim.grad_accum", "1",
+                 "--data.batch_size", str(batch)]  # fmt: skip
     cmd = [
         sys.executable, "-m", "pytrain.train", "--config", str(ROOT / "configs/gpt2-124m.toml"),
         "--data.path", str(data), "--out_dir", str(out), "--name", name, "--no-resume",
-        "--max_steps", "60", "--profile_steps", "40:50", "--optim.grad_accum", "1",
-        "--data.batch_size", str(batch), "--eval_every", "0", "--ckpt_every", "0",
-        "--log_every", "10", "--samples", "0", "--no-progress", *flags,
+        *shape, "--eval_every", "0", "--ckpt_every", "0",
+        "--log_every", "1", "--samples", "0", "--no-progress", *flags,
     ]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
@@ -81,12 +88,19 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=12)
     p.add_argument("--ours-flags", default="", help="extra trainer flags, one shell string")
     p.add_argument("--no-nanogpt", action="store_true", help="profile ours only")
+    p.add_argument(
+        "--as-shipped",
+        action="store_true",
+        help="profile the preset's own step (its batch, 32 micro-batches; figures per "
+        "optimizer step), ours only",
+    )
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "pytrain-bench")
     args = p.parse_args()
     data = synthetic_dataset(args.work / "synthetic-50k", 40_000)
     t0 = time.perf_counter()
-    ours = profile_ours(data, args.work / "runs", args.batch, shlex.split(args.ours_flags))
-    if args.no_nanogpt:
+    batch = None if args.as_shipped else args.batch
+    ours = profile_ours(data, args.work / "runs", batch, shlex.split(args.ours_flags))
+    if args.no_nanogpt or args.as_shipped:
         print(f"## ours {args.ours_flags}\n\n{format_summary(ours)}")
         return 0
     theirs = profile_nanogpt(args.nanogpt, args.batch, args.work)
