@@ -44,6 +44,15 @@ def parse_bool(text: str) -> bool:
     )
 
 
+def flag_value(v) -> str:
+    """A value as its command-line flag takes it: lists space-separated, booleans as words."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (list, tuple)):
+        return " ".join(str(x) for x in v)
+    return str(v)
+
+
 def _not_a_flag(default=dataclasses.MISSING, **kw):
     """A loader setting the trainer sets itself (rank, world size, ...): no flag, no TOML key."""
     return field(default=default, metadata={"flag": False}, **kw)
@@ -85,6 +94,20 @@ class LoaderConfig:
     """None: pin when CUDA is available."""
     rank: int = _not_a_flag(0)
     world_size: int = _not_a_flag(1)
+
+    def batch_settings(self) -> dict:
+        """The settings that decide the batches, by name: what a saved loader state is
+        checked against (the Rust loader's fingerprint of the same fields)."""
+        common = {
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "frames_per_block": self.frames_per_block,
+        }
+        if self.mode == "pack":
+            return {"mode": "pack", "seq_len": self.seq_len, "batch_size": self.batch_size,
+                    "strategy": self.strategy, **common}  # fmt: skip
+        return {"mode": self.mode, "token_budget": self.token_budget,
+                "bucket_lengths": list(self.bucket_lengths), **common}  # fmt: skip
 
     def batch_shapes(self) -> list[tuple[int, int]]:
         """Every (rows, seq_len) a batch can have: one in pack mode, one per bucket (a

@@ -13,6 +13,7 @@ import torch
 from pytrain.config import parse_args
 from pytrain.data import DeviceBatch
 from pytrain.optim.schedule import lr_at
+from pytrain.train.checkpoint import CheckpointMismatch
 from pytrain.train.guard import StepGuard, TrainingStopped
 from pytrain.train.trainer import Trainer
 
@@ -392,3 +393,21 @@ def test_step_log_averages_throughput_over_the_window_between_lines(tmp_path):
     got = [float(t.replace(",", "")) for t in re.findall(r"tok/s ([\d,]+)", text)]
     # step 1 alone; step 2 (1.999 s); steps 3-4: 2,000 tokens in 1.001 s, not 1,000 in 1 ms.
     assert got == [1000, 500, 1998, 1000], got
+
+
+def test_resume_with_other_batch_settings_names_them_and_the_flags(small_corpus, tmp_path):
+    """A checkpoint's loader position belongs to the batches its settings cut: resuming
+    with other ones is refused with the settings named and the flags that resume it."""
+    first = Trainer(small_cfg(small_corpus, tmp_path, "--max_steps", "2", "--ckpt_every", "2"))
+    first.fit()
+    first.close()
+    cfg = small_cfg(small_corpus, tmp_path, "--data.frames_per_block", "3", "--no-data.shuffle")
+    with pytest.raises(CheckpointMismatch) as e:
+        Trainer(cfg)
+    msg = str(e.value)
+    assert "data.frames_per_block 2 (now 3)" in msg and "data.shuffle true (now false)" in msg
+    assert msg.endswith("resume it with --data.shuffle true --data.frames_per_block 2")
+    # Those flags resume it.
+    again = Trainer(small_cfg(small_corpus, tmp_path, "--data.frames_per_block", "2"))
+    assert again.step == 2
+    again.close()

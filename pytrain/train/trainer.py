@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pytrain.config import TrainConfig, to_dict
+from pytrain.config import DataConfig, TrainConfig, flag_value, to_dict
 from pytrain.data.batch import DeviceBatch, DeviceFeed, HostBatch
 from pytrain.model import flash4, float8
 from pytrain.model.gpt import GPT, LossModule, checkpoint_every
@@ -212,6 +212,19 @@ class Trainer:
             raise checkpoint.CheckpointMismatch(
                 f"{path} was saved with optim.master_weights {'on' if saved_master else 'off'}; "
                 f"resume it with --optim.master_weights {'on' if saved_master else 'off'}"
+            )
+        # Named here, before the Rust loader's check refuses the state with no names.
+        saved_data = DataConfig.from_saved(state["config"]["data"]).batch_settings()
+        now = self.cfg.data.batch_settings()
+        if differ := [k for k in now if saved_data.get(k) != now[k]]:
+            said = ", ".join(
+                f"data.{k} {flag_value(saved_data.get(k))} (now {flag_value(now[k])})"
+                for k in differ
+            )
+            flags = " ".join(f"--data.{k} {flag_value(saved_data.get(k))}" for k in differ)
+            raise checkpoint.CheckpointMismatch(
+                f"{path} was saved with {said}: its loader position belongs to those "
+                f"batches; resume it with {flags}"
             )
         distributed.load_model_optim_state(
             self.gpt, self.optimizer, state["model"], state["optimizer"], self.sharded
