@@ -1,7 +1,8 @@
-"""`python -m pytrain.eval CHECKPOINT --data PATH [--batches N]`: validation loss,
+"""`python -m pytrain.eval CHECKPOINT [--data PATH] [--batches N]`: validation loss,
 perplexity and bits per byte of a trained model on any packed dataset (or a mixture's
 sets, NAME=PATH each), cut into batches as the run's training configuration cuts them:
 the first N batches in stored order, the numbers the trainer logs for the same data.
+Without --data: the validation sets the run itself evaluated on, with its eval_batches.
 
 Bits per byte = loss / ln 2 x (the dataset's tokens / the text bytes pack-shards read),
 so models with different tokenizers compare on the same text."""
@@ -15,7 +16,8 @@ import sys
 from pathlib import Path
 
 
-def evaluate(model: str, data: list[str], batches: int, device: str = "cpu") -> dict:
+def evaluate(model: str, data: list[str] | None, batches: int | None, device: str = "cpu") -> dict:
+    """`data` None: the run's own validation sets; `batches` None: its eval_batches."""
     import torch
 
     from pytrain.config import ConfigError, DataConfig, dataset_dir
@@ -26,6 +28,14 @@ def evaluate(model: str, data: list[str], batches: int, device: str = "cpu") -> 
     m = load(model, device)
     base = m.config["data"] if m.config else {}
     d = DataConfig.from_saved(base)
+    if data is None:  # the validation sets the run evaluated on
+        data = d.val_mix or ([d.val_path] if d.val_path else [])
+        if not data:
+            raise ConfigError(
+                f"{m.source} has no validation set saved with it; give one with --data PATH"
+            )
+    if batches is None:
+        batches = int(m.config.get("eval_batches", 20)) if m.config else 20
     sets: dict[str, Path] = {}
     for item in data:
         label, _, where = item.partition("=") if "=" in item else ("", "", item)
@@ -66,10 +76,16 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("model", help="run directory, ckpt-*.pt, or an exported Hugging Face directory")
     p.add_argument(
-        "--data", nargs="+", required=True, help="dataset directory, or NAME=PATH per set"
+        "--data",
+        nargs="+",
+        default=None,
+        help="dataset directory, or NAME=PATH per set (default: the run's own validation sets)",
     )
     p.add_argument(
-        "--batches", type=int, default=20, help="batches per set (the trainer's eval_batches)"
+        "--batches",
+        type=int,
+        default=None,
+        help="batches per set (default: the run's eval_batches, else 20)",
     )
     p.add_argument("--device", default="auto")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
