@@ -406,7 +406,13 @@ def test_resume_with_other_batch_settings_names_them_and_the_flags(small_corpus,
         Trainer(cfg)
     msg = str(e.value)
     assert "data.frames_per_block 2 (now 3)" in msg and "data.shuffle true (now false)" in msg
-    assert msg.endswith("resume it with --data.shuffle true --data.frames_per_block 2")
+    assert "resume it with --data.shuffle true --data.frames_per_block 2," in msg
+    # The model's architecture likewise (n_head keeps every shape: only the name says it).
+    for flag, said in (("--model.d_model", "model.d_model 64 (now 32)"),
+                       ("--model.n_head", "model.n_head 2 (now 4)")):  # fmt: skip
+        value = said.split("now ")[1].rstrip(")")
+        with pytest.raises(CheckpointMismatch, match=re.escape(said)):
+            Trainer(small_cfg(small_corpus, tmp_path, flag, value))
     # Those flags resume it.
     again = Trainer(small_cfg(small_corpus, tmp_path, "--data.frames_per_block", "2"))
     assert again.step == 2

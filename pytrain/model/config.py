@@ -5,6 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+ARCHITECTURE = ("vocab_size", "n_layer", "n_head", "d_model", "mlp", "mlp_ratio",
+                "tie_embeddings", "rope_base")  # fmt: skip
+
 
 @dataclass
 class ModelConfig:
@@ -38,6 +41,17 @@ class ModelConfig:
     extra `float8`; GPUs with FP8: Ada, Hopper, Blackwell): 'off', 'tensorwise' or
     'rowwise' (torchao's recipes). pytrain/model/float8.py."""
     max_seq_len: int = 4096
+
+    @classmethod
+    def from_saved(cls, model: dict) -> ModelConfig:
+        """A [model] section as a checkpoint saved it (keys this version lacks are dropped;
+        keys the checkpoint lacks take their defaults)."""
+        return cls(**{k: v for k, v in model.items() if k in cls.__dataclass_fields__})
+
+    def architecture(self) -> dict:
+        """The settings that define the function the weights compute, by name: a checkpoint
+        resumes only under the same ones."""
+        return {k: getattr(self, k) for k in ARCHITECTURE}
 
     @property
     def mlp_hidden(self) -> int:

@@ -48,7 +48,7 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> Loaded:
         raise ConfigError(f"{path}: no such file or directory")
     if not isinstance(state, dict) or "model" not in state or "config" not in state:
         raise ConfigError(f"{path}: not a pytrain checkpoint (no model and config in it)")
-    cfg = ModelConfig(**state["config"]["model"])
+    cfg = ModelConfig.from_saved(state["config"]["model"])
     gpt = GPT(cfg)
     gpt.load_state_dict(strip_prefixes(state["model"]))
     data = dataset_of(state["config"]["data"])

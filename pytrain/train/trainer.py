@@ -14,6 +14,7 @@ import torch
 from pytrain.config import DataConfig, TrainConfig, flag_value, to_dict
 from pytrain.data.batch import DeviceBatch, DeviceFeed, HostBatch
 from pytrain.model import flash4, float8
+from pytrain.model.config import ModelConfig
 from pytrain.model.gpt import GPT, LossModule, checkpoint_every
 from pytrain.optim.build import build_optimizer
 from pytrain.optim.schedule import lr_at
@@ -31,6 +32,22 @@ from pytrain.train.metrics import (
 )  # fmt: skip
 from pytrain.train.precision import choose_precision
 from pytrain.train.profiling import StepProfiler
+
+
+def refuse_changed(path: Path, section: str, saved: dict, now: dict, why: str) -> None:
+    """Raises CheckpointMismatch naming each setting of `section` that differs between a
+    checkpoint (`saved`) and this run (`now`), and the flags that resume it."""
+    differ = [k for k in now if saved.get(k) != now[k]]
+    if not differ:
+        return
+    said = ", ".join(
+        f"{section}.{k} {flag_value(saved.get(k))} (now {flag_value(now[k])})" for k in differ
+    )
+    flags = " ".join(f"--{section}.{k} {flag_value(saved.get(k))}" for k in differ)
+    raise checkpoint.CheckpointMismatch(
+        f"{path} was saved with {said}: {why}; resume it with {flags}, or train a new "
+        "run under another --name"
+    )
 
 
 class Trainer:
@@ -213,19 +230,15 @@ class Trainer:
                 f"{path} was saved with optim.master_weights {'on' if saved_master else 'off'}; "
                 f"resume it with --optim.master_weights {'on' if saved_master else 'off'}"
             )
+        saved = state["config"]
+        # Named here, before load_state_dict's list of tensor shapes (or a model with the
+        # same shapes computing another function, for n_head or rope_base).
+        refuse_changed(path, "model", ModelConfig.from_saved(saved["model"]).architecture(),
+                       self.cfg.model.architecture(), "its weights belong to that model")  # fmt: skip
         # Named here, before the Rust loader's check refuses the state with no names.
-        saved_data = DataConfig.from_saved(state["config"]["data"]).batch_settings()
-        now = self.cfg.data.batch_settings()
-        if differ := [k for k in now if saved_data.get(k) != now[k]]:
-            said = ", ".join(
-                f"data.{k} {flag_value(saved_data.get(k))} (now {flag_value(now[k])})"
-                for k in differ
-            )
-            flags = " ".join(f"--data.{k} {flag_value(saved_data.get(k))}" for k in differ)
-            raise checkpoint.CheckpointMismatch(
-                f"{path} was saved with {said}: its loader position belongs to those "
-                f"batches; resume it with {flags}"
-            )
+        refuse_changed(path, "data", DataConfig.from_saved(saved["data"]).batch_settings(),
+                       self.cfg.data.batch_settings(),
+                       "its loader position belongs to those batches")  # fmt: skip
         distributed.load_model_optim_state(
             self.gpt, self.optimizer, state["model"], state["optimizer"], self.sharded
         )
