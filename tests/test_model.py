@@ -30,3 +30,20 @@ def test_bad_numerics_options_are_refused_when_the_model_is_built(field, value):
     cfg = ModelConfig(vocab_size=200, n_layer=1, n_head=2, d_model=32, **{field: value})
     with pytest.raises(ValueError, match=field):
         GPT(cfg)
+
+
+def test_fa4_install_hint_only_where_fa4_would_run_but_is_missing(monkeypatch):
+    from pytrain.model import flash4
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for cap, imports, want in (((9, 0), False, True), ((10, 0), False, True),
+                               ((9, 0), True, False), ((8, 0), False, False)):  # fmt: skip
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0, c=cap: c)
+        monkeypatch.setattr(flash4, "_imports", lambda v=imports: v)
+        hint = flash4.install_hint(0)
+        assert bool(hint) == want, (cap, imports)
+        assert flash4.available(0) == (imports and cap[0] in (9, 10))
+        if want:
+            assert "pip install '.[fa4]'" in hint
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert flash4.install_hint(0) == "" and not flash4.available(0)

@@ -51,6 +51,11 @@ def _main(argv: list[str] | None) -> int:
         f"params {trainer.gpt.num_params() / 1e6:.2f}M | world {trainer.dist.world_size} | "
         f"batch {cfg.data.batch_size}x{cfg.data.seq_len}x{cfg.optim.grad_accum} | run dir {trainer.run_dir}"
     )
+    if cfg.model.attention == "auto" and trainer.device.type == "cuda":
+        from pytrain.model import flash4
+
+        if hint := flash4.install_hint(trainer.device.index or 0):
+            trainer.say(hint)
     try:
         result = trainer.fit()
     except TrainingStopped as e:
