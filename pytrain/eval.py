@@ -29,7 +29,7 @@ def evaluate(model: str, data: list[str] | None, batches: int | None, device: st
     base = m.config["data"] if m.config else {}
     d = DataConfig.from_saved(base)
     if data is None:  # the validation sets the run evaluated on
-        data = d.val_mix or ([d.val_path] if d.val_path else [])
+        data = [f"{name}={path}" for name, path in d.val_sources().items()]  # named as logged
         if not data:
             raise ConfigError(
                 f"{m.source} has no validation set saved with it; give one with --data PATH"

@@ -135,7 +135,8 @@ def test_eval_cli_equals_the_trainers_validation_loss(text_datasets, tmp_path, c
     )
     assert f"loss {result['val_loss']:.4f}" in capsys.readouterr().out
     # Without --data and --batches: the run's own validation set and eval_batches (3).
-    assert evaluate(str(tmp_path / "run"), None, None)["loss"] == r["loss"]
+    own = evaluate(str(tmp_path / "run"), None, None)
+    assert own["loss"] == r["loss"] and list(own["sets"]) == ["val"]  # the trainer's name
     assert eval_main([str(tmp_path / "run")]) == 0
     assert f"loss {result['val_loss']:.4f}" in capsys.readouterr().out
     assert eval_main([str(tmp_path / "nope"), "--data", str(text_datasets[1])]) == 2
