@@ -22,13 +22,29 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pytrain.config import ConfigError
+from pytrain.config import ConfigError, flag_value
 
 PATTERN = re.compile(r"^ckpt-(\d{8})\.pt$")
 
 
 class CheckpointMismatch(ConfigError):
     """A checkpoint that loads but was saved by a run this one cannot continue."""
+
+
+def refuse_changed(path: Path, section: str, saved: dict, now: dict, why: str) -> None:
+    """Raises CheckpointMismatch naming each setting of `section` that differs between a
+    checkpoint (`saved`) and this run (`now`), and the flags that resume it."""
+    differ = [k for k in now if saved.get(k) != now[k]]
+    if not differ:
+        return
+    said = ", ".join(
+        f"{section}.{k} {flag_value(saved.get(k))} (now {flag_value(now[k])})" for k in differ
+    )
+    flags = " ".join(f"--{section}.{k} {flag_value(saved.get(k))}" for k in differ)
+    raise CheckpointMismatch(
+        f"{path} was saved with {said}: {why}; resume it with {flags}, or train a new "
+        "run under another --name"
+    )
 
 
 def ckpt_path(run_dir: Path, step: int) -> Path:

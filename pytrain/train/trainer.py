@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pytrain.config import DataConfig, TrainConfig, flag_value, to_dict
+from pytrain.config import DataConfig, TrainConfig, to_dict
 from pytrain.data.batch import DeviceBatch, DeviceFeed, HostBatch
 from pytrain.model import flash4, float8
 from pytrain.model.config import ModelConfig
@@ -32,22 +32,6 @@ from pytrain.train.metrics import (
 )  # fmt: skip
 from pytrain.train.precision import choose_precision
 from pytrain.train.profiling import StepProfiler
-
-
-def refuse_changed(path: Path, section: str, saved: dict, now: dict, why: str) -> None:
-    """Raises CheckpointMismatch naming each setting of `section` that differs between a
-    checkpoint (`saved`) and this run (`now`), and the flags that resume it."""
-    differ = [k for k in now if saved.get(k) != now[k]]
-    if not differ:
-        return
-    said = ", ".join(
-        f"{section}.{k} {flag_value(saved.get(k))} (now {flag_value(now[k])})" for k in differ
-    )
-    flags = " ".join(f"--{section}.{k} {flag_value(saved.get(k))}" for k in differ)
-    raise checkpoint.CheckpointMismatch(
-        f"{path} was saved with {said}: {why}; resume it with {flags}, or train a new "
-        "run under another --name"
-    )
 
 
 class Trainer:
@@ -219,26 +203,25 @@ class Trainer:
         if found is None:
             return
         state, path = found
-        saved_name = state["config"]["optim"].get("name", "adamw")
-        if saved_name != self.cfg.optim.name:
-            raise checkpoint.CheckpointMismatch(
-                f"{path} was saved with optim.name {saved_name}; resume it with --optim.name {saved_name}"
-            )
-        saved_master = "exp_avg_sq" in state["optimizer"]  # MasterAdamW's flat state
-        if saved_master != self.master:
-            raise checkpoint.CheckpointMismatch(
-                f"{path} was saved with optim.master_weights {'on' if saved_master else 'off'}; "
-                f"resume it with --optim.master_weights {'on' if saved_master else 'off'}"
-            )
         saved = state["config"]
+        on_off = {True: "on", False: "off"}
+        # The optimizer state belongs to its optimizer (MasterAdamW keeps flat fp32 state).
+        checkpoint.refuse_changed(
+            path,
+            "optim",
+            {"name": saved["optim"].get("name", "adamw"),
+             "master_weights": on_off["exp_avg_sq" in state["optimizer"]]},
+            {"name": self.cfg.optim.name, "master_weights": on_off[self.master]},
+            "its optimizer state belongs to that optimizer",
+        )  # fmt: skip
         # Named here, before load_state_dict's list of tensor shapes (or a model with the
         # same shapes computing another function, for n_head or rope_base).
-        refuse_changed(path, "model", ModelConfig.from_saved(saved["model"]).architecture(),
-                       self.cfg.model.architecture(), "its weights belong to that model")  # fmt: skip
+        checkpoint.refuse_changed(path, "model", ModelConfig.from_saved(saved["model"]).architecture(),
+                                  self.cfg.model.architecture(), "its weights belong to that model")  # fmt: skip
         # Named here, before the Rust loader's check refuses the state with no names.
-        refuse_changed(path, "data", DataConfig.from_saved(saved["data"]).batch_settings(),
-                       self.cfg.data.batch_settings(),
-                       "its loader position belongs to those batches")  # fmt: skip
+        checkpoint.refuse_changed(path, "data", DataConfig.from_saved(saved["data"]).batch_settings(),
+                                  self.cfg.data.batch_settings(),
+                                  "its loader position belongs to those batches")  # fmt: skip
         distributed.load_model_optim_state(
             self.gpt, self.optimizer, state["model"], state["optimizer"], self.sharded
         )
