@@ -87,3 +87,25 @@ def test_user_errors_are_one_line_naming_the_path_or_key(tmp_path, small_corpus,
     assert "Traceback" not in r.stderr
     lines = [line for line in r.stderr.splitlines() if "error" in line]
     assert len(lines) == 1 and named.format(**subst) in lines[0], r.stderr
+
+
+def test_a_mixture_from_the_command_line_trains_without_the_embedded_default(
+    tmp_path, small_corpus
+):
+    """README's mixture command: --data.mix without --data.path (the preset has none) used
+    to be given the embedded default as well, and refused as 'not both'."""
+    train, val = small_corpus
+    r = subprocess.run(
+        [sys.executable, "-m", "pytrain.train", "--out_dir", str(tmp_path / "runs"),
+         "--name", "mix", "--data.mix", f"a={train}:0.7", f"b={val}:0.3",
+         "--data.stages", "1:a=0.5,b=0.5", "--data.val_mix", f"a={val}",
+         "--model.n_layer", "1", "--model.d_model", "32", "--model.n_head", "2",
+         "--data.seq_len", "32", "--data.batch_size", "2", "--data.frames_per_block", "1",
+         "--max_steps", "2", "--eval_every", "2", "--eval_batches", "1", "--samples", "0",
+         "--no-progress", "--no-tensorboard"],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTRAIN_CACHE": str(tmp_path / "cache")},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "embedded default" not in r.stdout and "done: 2 steps" in r.stdout
+    assert not (tmp_path / "cache").exists()

@@ -43,7 +43,7 @@ def _main(argv: list[str] | None) -> int:
     from pytrain.train.trainer import Trainer
 
     t0 = time.perf_counter()
-    if not cfg.data.path:
+    if not cfg.data.path and not cfg.data.mix:  # a mixture names its own datasets
         use_default_dataset(cfg)
     trainer = Trainer(cfg)
     trainer.say(
