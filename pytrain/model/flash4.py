@@ -31,10 +31,9 @@ class Segments(NamedTuple):
 
 def _gpu_runs_it(device_index: int) -> bool:
     """A Hopper or Blackwell GPU (sm90/sm100), the ones FA4 has kernels for."""
-    return torch.cuda.is_available() and torch.cuda.get_device_capability(device_index)[0] in (
-        9,
-        10,
-    )
+    if not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device_index)[0] in (9, 10)
 
 
 @functools.cache
