@@ -1,7 +1,9 @@
 """The fused cross-entropy kernel (pytrain.model.fused_ce) on the GPU: block size and warps,
-against torch's compiled cross-entropy forward + backward over the same logits.
+against torch's compiled cross-entropy forward + backward over the same logits; then the
+whole output-layer op (logits, loss, both gradients) in bf16 against FP8
+(`--model.float8_head`), with the FP8 op's parts.
 
-    python scripts/bench_ce_gpu.py [--tokens 12288] [--vocab 50304]
+    python scripts/bench_ce_gpu.py [--tokens 12288] [--vocab 50304] [--op-only]
 
 Each row: median of 30 timed calls (CUDA events) after 5 warm-up calls, and the
 effective bandwidth if the logits were read twice and written once."""
@@ -39,7 +41,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--tokens", type=int, default=12288)
     p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--d-model", type=int, default=768)
+    p.add_argument("--op-only", action="store_true", help="only the bf16 vs FP8 op table")
     args = p.parse_args()
+    if args.op_only:
+        return op_table(args.tokens, args.vocab, args.d_model)
     n, v = args.tokens, args.vocab
     g = torch.Generator(device="cuda").manual_seed(0)
     logits = torch.randn(n, v, device="cuda", generator=g).bfloat16()
@@ -69,6 +75,46 @@ def main() -> int:
     print(f"| torch.compile(cross_entropy) fwd + bwd | - | - | {time_ms(compiled):.3f} | - |")
     best = min(rows)
     print(f"\nbest fused: block {best[1]}, {best[2]} warps, {best[0]:.3f} ms")
+    return op_table(n, v, args.d_model)
+
+
+def op_table(n: int, v: int, c: int) -> int:
+    """The output layer + loss op, bf16 vs FP8, and what the FP8 op spends where."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(n, c, device="cuda", generator=g).bfloat16()
+    w = torch.randn(v, c, device="cuda", generator=g) * 0.02
+    t = torch.randint(0, v, (n,), device="cuda", generator=g)
+    flops = 3 * 2 * n * c * v
+    print(f"\n{torch.cuda.get_device_name()}, the output layer op: {n} tokens x {c} -> {v}")
+    print("| op | ms | TFLOP/s of its 3 matmuls |\n|---|---|---|")
+    for name, op in (
+        ("bf16", torch.ops.pytrain.linear_ce),
+        ("fp8", torch.ops.pytrain.linear_ce_fp8),
+    ):
+        ms = time_ms(lambda op=op: op(x, w, t))
+        print(
+            f"| {name} (linear_ce{'_fp8' if name == 'fp8' else ''}) | {ms:.3f} | {flops / ms / 1e9:.0f} |"
+        )
+    x8, xi, x8t = fused_ce._e4m3_both(x)
+    w8, wi, w8t = fused_ce._e4m3_both(w.bfloat16())
+    g8 = torch.empty(n, v, dtype=torch.float8_e5m2, device="cuda")
+    gi = torch.full((), 1 / fused_ce.G_SCALE, device="cuda")
+    logits = torch._scaled_mm(x8, w8.t(), scale_a=xi, scale_b=wi, out_dtype=torch.bfloat16)
+    g8t = fused_ce.transpose(g8)
+    parts = {
+        "x and w to e4m3, each with its transpose (Triton)": lambda: (fused_ce._e4m3_both(x), fused_ce._e4m3_both(w.bfloat16())),
+        "x and w to e4m3 (torch ops, for reference)": lambda: (fused_ce._e4m3(x), fused_ce._e4m3(w.bfloat16())),
+        "logits (fp8 matmul)": lambda: torch._scaled_mm(x8, w8.t(), scale_a=xi, scale_b=wi, out_dtype=torch.bfloat16),
+        "loss + e5m2 gradient (kernel)": lambda: fused_ce.ce_grad_(logits, t, out=g8, out_scale=fused_ce.G_SCALE),
+        "d/dx (fp8 matmul)": lambda: torch._scaled_mm(g8, w8t.t(), scale_a=gi, scale_b=wi, out_dtype=torch.bfloat16),
+        "gradient transposed (Triton)": lambda: fused_ce.transpose(g8),
+        "gradient transposed (ATen copy, for reference)": lambda: g8.t().contiguous(),
+        "d/dw (fp8 matmul)": lambda: torch._scaled_mm(g8t, x8t.t(), scale_a=gi, scale_b=xi, out_dtype=torch.bfloat16),
+        "bf16 matmul of the same shape (reference)": lambda: x @ w.bfloat16().t(),
+    }  # fmt: skip
+    print("\n| part of the fp8 op | ms |\n|---|---|")
+    for name, fn in parts.items():
+        print(f"| {name} | {time_ms(fn):.3f} |")
     return 0
 
 

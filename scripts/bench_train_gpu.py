@@ -99,6 +99,7 @@ def run_ours(
         ),
         # What `auto` resolved to (fa4 where flash-attn-4 runs, else flex): the run says.
         "attention": next(iter(re.findall(r"\| attention (\S+) \|", r.stdout)), "?"),
+        "output_layer": "fp8" if "| output layer fp8 |" in r.stdout else "bf16",
     }
 
 
@@ -230,9 +231,9 @@ def main() -> int:
     if args.json:
         args.json.write_text(json.dumps({"env": env, "results": results}, indent=1))
     print(
-        f"\n| run ({env}) | attention | tokens/s | step ms | data wait ms | MFU (989 TF peak) | vs nanoGPT |"
+        f"\n| run ({env}) | attention | output layer | tokens/s | step ms | data wait ms | MFU (989 TF peak) | vs nanoGPT |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for r in results:
         if "error" in r:
             print(f"| {r['name']} | | failed: {r['error']} | | | | |")
@@ -240,7 +241,7 @@ def main() -> int:
         ratio = f"{r['tokens_per_s'] / base:.3f}x" if base else "-"
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "-"
         print(
-            f"| {r['name']} | {r.get('attention', 'causal')} | {r['tokens_per_s']:,.0f} | {r['step_ms']:.1f} | {r.get('data_wait_ms', float('nan')):.2f} | {mfu} | {ratio} |"
+            f"| {r['name']} | {r.get('attention', 'causal')} | {r.get('output_layer', 'bf16')} | {r['tokens_per_s']:,.0f} | {r['step_ms']:.1f} | {r.get('data_wait_ms', float('nan')):.2f} | {mfu} | {ratio} |"
         )
     return 0
 

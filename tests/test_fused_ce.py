@@ -57,7 +57,9 @@ def test_gpt_training_loss_is_the_same_fused_or_not(monkeypatch):
     those with it off (fp32 on CPU)."""
     calls = []
     real = fused_ce.linear_cross_entropy
-    monkeypatch.setattr(fused_ce, "linear_cross_entropy", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(
+        fused_ce, "linear_cross_entropy", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
     out = {}
     for choice in ("off", "on"):
         torch.manual_seed(0)
@@ -74,6 +76,65 @@ def test_gpt_training_loss_is_the_same_fused_or_not(monkeypatch):
     torch.testing.assert_close(out["on"][0], out["off"][0], rtol=1e-5, atol=1e-5)
     for name, grad in out["off"][1].items():
         torch.testing.assert_close(out["on"][1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def fp8_emulated(x, w, t):
+    """The FP8 op's math spelled out: dequantised e4m3 operands, the exact gradient rounded
+    to e5m2 with the fixed scale, all products in fp32."""
+    x8, xi = fused_ce._e4m3(x)
+    w8, wi = fused_ce._e4m3(w.to(x.dtype))
+    xq, wq = x8.float() * xi, w8.float() * wi
+    logits = (xq @ wq.t()).to(x.dtype).float()
+    loss = F.cross_entropy(logits, t, ignore_index=-100, reduction="sum")
+    g = torch.softmax(logits, -1) - F.one_hot(t.clamp(min=0), logits.shape[1])
+    g = g * (t != -100)[:, None]
+    gq = (g * fused_ce.G_SCALE).to(torch.float8_e5m2).float() / fused_ce.G_SCALE
+    return loss, (gq @ wq).to(x.dtype), (gq.t() @ xq).to(x.dtype)
+
+
+def fp8_inputs():
+    x, w, t = inputs(n=64, c=32, v=208)
+    return x.detach().bfloat16(), (w.detach() * 0.05), t
+
+
+def test_fp8_linear_cross_entropy_is_its_emulation():
+    """Scales, layouts and the e5m2 gradient of the FP8 op (torch path: CPU _scaled_mm)."""
+    x, w, t = fp8_inputs()
+    loss, gx, gw = torch.ops.pytrain.linear_ce_fp8(x, w, t)
+    want = fp8_emulated(x, w, t)
+    torch.testing.assert_close(loss, want[0], rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(gx.float(), want[1].float(), rtol=2**-7, atol=1e-6)
+    torch.testing.assert_close(gw.float(), want[2].float(), rtol=2**-7, atol=1e-6)
+
+
+def test_fp8_linear_cross_entropy_is_close_to_bf16():
+    x, w, t = fp8_inputs()
+    exact = grads(fused_ce.linear_cross_entropy, x, w, t, scale=0.5)
+    fp8 = grads(lambda *a: fused_ce.linear_cross_entropy(*a, fp8=True), x, w, t, scale=0.5)
+    torch.testing.assert_close(fp8[0], exact[0], rtol=1e-3, atol=0)
+    for a, b in zip(fp8[1:], exact[1:], strict=True):
+        assert F.cosine_similarity(a.float().flatten(), b.float().flatten(), 0) > 0.999
+        assert float((a.float() - b.float()).norm() / b.float().norm()) < 0.05
+
+
+def test_fp8_falls_back_to_bf16_where_shapes_are_not_multiples_of_16():
+    x, w, t = fp8_inputs()
+    x, t = x[:60], t[:60]  # 60 rows: _scaled_mm would refuse
+    exact = grads(fused_ce.linear_cross_entropy, x, w, t, scale=1.0)
+    fp8 = grads(lambda *a: fused_ce.linear_cross_entropy(*a, fp8=True), x, w, t, scale=1.0)
+    for a, b in zip(fp8, exact, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_gpt_float8_head_choices():
+    cfg = dict(vocab_size=200, n_layer=1, n_head=2, d_model=32)
+    with pytest.raises(ValueError, match="float8_head 'yes'"):
+        GPT(ModelConfig(**cfg, float8_head="yes"))
+    with pytest.raises(ValueError, match="needs the fused output layer"):
+        GPT(ModelConfig(**cfg, float8_head="on", fused_ce="off"))
+    cpu = torch.device("cpu")
+    assert GPT(ModelConfig(**cfg, float8_head="on")).uses_float8_head(cpu)
+    assert not GPT(ModelConfig(**cfg, float8_head="auto")).uses_float8_head(cpu)
 
 
 def test_ce_grad_rejects_bad_shapes():
@@ -103,6 +164,35 @@ KERNEL_CHECK = textwrap.dedent(
         torch.testing.assert_close(la, ref, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(b.float(), a.float(), rtol=0, atol=tol)
         assert float(b[5].float().abs().max()) == 0.0
+        # The gradient into another tensor, scaled (the FP8 op's form; fp32 here because
+        # the interpreter rounds FP8 towards zero where the GPU rounds to nearest).
+        oa, ob = torch.empty(12, v), torch.empty(12, v)
+        fused_ce._ce_grad_torch(logits.clone(), t, out=oa, out_scale=3.0)
+        lb = fused_ce._ce_grad_triton(c := logits.clone(), t, block=block, out=ob, out_scale=3.0)
+        torch.testing.assert_close(lb, ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ob, oa, rtol=1e-5, atol=1e-6)
+        assert torch.equal(c, logits)  # the logits are left as they were
+    for m, n in ((300, 200), (128, 256), (7, 131)):  # the FP8 op's transpose, on bytes
+        src = torch.randint(0, 256, (m, n), dtype=torch.uint8, generator=g)
+        dst = torch.zeros(n, m, dtype=torch.uint8)
+        grid = ((m + 127) // 128, (n + 127) // 128)
+        fused_ce._transpose_kernel[grid](src, dst, m, n, BM=128, BN=128)
+        assert torch.equal(dst, src.t()), (m, n)
+        # The e4m3 cast on values that scale exactly onto e4m3's grid (so that rounding,
+        # which the interpreter does differently, does not enter): the same bytes, scale
+        # and transposed copy as the torch path.
+        e4 = src.clone()
+        e4[(e4 & 0x7F) == 0x7F] = 0  # no NaN
+        x = (e4.view(torch.float8_e4m3fn).float() * 2.0**-9).bfloat16()
+        want8, want_inv = fused_ce._e4m3(x)
+        t8, t8_t = torch.empty(m, n, dtype=torch.uint8), torch.empty(n, m, dtype=torch.uint8)
+        inv = torch.empty(())
+        amax = x.float().abs().amax()
+        fused_ce._e4m3_kernel[(m + 63) // 64, (n + 127) // 128](
+            x, amax, t8.view(torch.float8_e4m3fn), t8_t.view(torch.float8_e4m3fn), inv, m, n,
+            MAX=448.0, BM=64, BN=128)
+        assert torch.equal(t8, want8.view(torch.uint8)) and torch.equal(t8_t, t8.t()), (m, n)
+        assert float(inv) == float(want_inv), (m, n)
     print("kernel ok")
     """
 )

@@ -189,6 +189,56 @@ def test_fused_ce_triton_kernel_equals_torch_path_at_gpt2_vocab():
     assert float(b[::9].float().abs().max()) == 0.0
 
 
+def fp8_gpu() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.skipif(not fp8_gpu(), reason="needs an FP8 GPU")
+def test_fp8_head_kernel_rounds_to_nearest_and_matches_the_emulation():
+    """The kernel's e5m2 gradient is torch's rounding of the exact one (the interpreter
+    cannot check this: it truncates), and the FP8 op on cuBLAS equals its emulation."""
+    from pytrain.model import fused_ce
+    from tests.test_fused_ce import fp8_emulated
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(512, 50304, device="cuda", generator=g).mul_(4).bfloat16()
+    t = torch.randint(0, 50257, (512,), device="cuda", generator=g)
+    t[::9] = fused_ce.IGNORE_INDEX
+    oa, ob = (torch.empty(logits.shape, dtype=torch.float8_e5m2, device="cuda") for _ in "ab")
+    fused_ce.ce_grad_(logits.clone(), t, use_triton=False, out=oa, out_scale=fused_ce.G_SCALE)
+    fused_ce.ce_grad_(logits.clone(), t, use_triton=True, out=ob, out_scale=fused_ce.G_SCALE)
+    same = float((oa.float() == ob.float()).float().mean())
+    assert same > 0.999, same  # exp() differs in the last bits: a few ties may round apart
+    x = torch.randn(1024, 768, device="cuda", generator=g).bfloat16()
+    w = torch.randn(50304, 768, device="cuda", generator=g) * 0.02
+    got = torch.ops.pytrain.linear_ce_fp8(x, w, t.repeat(2))
+    want = fp8_emulated(x, w, t.repeat(2))
+    torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=0)
+    for a, b in zip(got[1:], want[1:], strict=True):
+        assert float((a.float() - b.float()).norm() / b.float().norm()) < 1e-2
+
+
+@pytest.mark.skipif(not fp8_gpu(), reason="needs an FP8 GPU")
+def test_compiled_model_with_float8_head_is_close_to_bf16():
+    """--model.float8_head on: the compiled model's loss within 0.5% of the bf16 fused op's,
+    each gradient within 5% (the output layer's weight gets e5m2 gradients)."""
+    from pytrain.model.gpt import GPT, ModelConfig
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=50304, n_layer=2, n_head=4, d_model=256, fused_ce="on")
+    gpt = GPT(cfg).cuda().train()
+    ids = torch.randint(0, 50257, (4, 513), device="cuda")
+    keep = torch.ones(4, 512, dtype=torch.bool, device="cuda")
+    args = (ids[:, :-1], ids[:, 1:], None, keep, None)
+    want = bf16_loss_and_grads(gpt, gpt.loss_sum, *args)
+    gpt.cfg.float8_head = "on"
+    got = bf16_loss_and_grads(gpt, torch.compile(gpt.loss_sum), *args)
+    assert abs(got[0] - want[0]) < 5e-3 * abs(want[0]), (got[0], want[0])
+    for (name, _), a, b in zip(gpt.named_parameters(), got[1], want[1], strict=True):
+        err = float((a - b).norm() / b.norm().clamp_min(1e-12))
+        assert err < 0.05, (name, err)
+
+
 @needs_cuda
 def test_compiled_model_with_fused_ce_matches_unfused():
     """GPT's loss and gradients with the fused output layer + loss (compiled, bf16)
@@ -377,6 +427,10 @@ if __name__ == "__main__":
     test_cli_run_with_evaluation_checkpoints_and_resume()
     test_async_checkpoint_snapshot_of_device_tensors()
     ran = ["copy", "guard", "fused_ce", "graphs+accumulation", "master_adamw", "cli", "async_ckpt"]
+    if fp8_gpu():
+        test_fp8_head_kernel_rounds_to_nearest_and_matches_the_emulation()
+        test_compiled_model_with_float8_head_is_close_to_bf16()
+        ran.append("float8_head")
     if torchao_available():
         test_float8_blocks_keep_the_loss_and_gradients_close()
         ran.append("float8")

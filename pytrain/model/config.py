@@ -36,6 +36,10 @@ class ModelConfig:
     fused_ce: str = "auto"
     """Output layer + cross-entropy as one op that never keeps the logits
     (`pytrain.model.fused_ce`), in training: 'auto' (on CUDA with Triton), 'on', 'off'."""
+    float8_head: str = "off"
+    """The fused output layer's three matmuls in FP8 (`torch._scaled_mm`, e4m3 input and
+    weight, e5m2 logit gradient; pytrain.model.fused_ce), in training: 'auto' (on GPUs with
+    FP8 matmuls: Ada, Hopper, Blackwell), 'on', 'off'. Evaluation stays in bf16."""
     float8: str = "off"
     """FP8 matmuls for the blocks' linear layers in training, through torchao (optional
     extra `float8`; GPUs with FP8: Ada, Hopper, Blackwell): 'off', 'tensorwise' or

@@ -204,6 +204,10 @@ class GPT(nn.Module):
             raise ValueError(f"residual {cfg.residual!r} is not fp32 or compute")
         if cfg.fused_ce not in ("auto", "on", "off"):
             raise ValueError(f"fused_ce {cfg.fused_ce!r} is not auto, on or off")
+        if cfg.float8_head not in ("auto", "on", "off"):
+            raise ValueError(f"float8_head {cfg.float8_head!r} is not auto, on or off")
+        if cfg.float8_head == "on" and cfg.fused_ce == "off":
+            raise ValueError("float8_head=on needs the fused output layer (fused_ce auto or on)")
         self.cfg = cfg
         self.vocab = 64 * math.ceil(cfg.vocab_size / 64)
         self.embed = nn.Embedding(self.vocab, cfg.d_model)
@@ -307,6 +311,16 @@ class GPT(nn.Module):
         choice = self.cfg.fused_ce
         return choice == "on" or (choice == "auto" and fused_ce.triton_available(device))
 
+    def uses_float8_head(self, device: torch.device) -> bool:
+        """Whether the fused output layer multiplies in FP8: 'on', or 'auto' on a GPU with
+        FP8 matmuls (compute capability 8.9 and later: Ada, Hopper, Blackwell)."""
+        choice = self.cfg.float8_head
+        if choice == "auto":
+            return fused_ce.triton_available(device) and torch.cuda.get_device_capability(
+                device
+            ) >= (8, 9)
+        return choice == "on"
+
     def loss_sum(self, input_ids, targets, position_ids, loss_mask, mask) -> torch.Tensor:
         """Cross-entropy summed over the tokens where loss_mask is true. Masked targets
         become ignore_index, so no fp32 copy of the logits is made outside the fused
@@ -316,7 +330,8 @@ class GPT(nn.Module):
         targets = torch.where(loss_mask, targets, fused_ce.IGNORE_INDEX).flatten()
         if self.training and torch.is_grad_enabled() and self.uses_fused_ce(h.device):
             x = h.flatten(0, 1).to(compute_dtype(h))
-            return fused_ce.linear_cross_entropy(x, self.head.weight, targets)
+            fp8 = self.uses_float8_head(h.device)
+            return fused_ce.linear_cross_entropy(x, self.head.weight, targets, fp8=fp8)
         logits = self.head(h)
         return F.cross_entropy(
             logits.flatten(0, 1), targets, ignore_index=fused_ce.IGNORE_INDEX, reduction="sum"

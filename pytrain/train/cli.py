@@ -46,8 +46,9 @@ def _main(argv: list[str] | None) -> int:
     if not cfg.data.path and not cfg.data.mix:  # a mixture names its own datasets
         use_default_dataset(cfg)
     trainer = Trainer(cfg)
+    fp8_head = " | output layer fp8" if trainer.gpt.uses_float8_head(trainer.device) else ""
     trainer.say(
-        f"device {trainer.device} | precision {trainer.precision.name} | attention {trainer.attention} | "
+        f"device {trainer.device} | precision {trainer.precision.name} | attention {trainer.attention}{fp8_head} | "
         f"params {trainer.gpt.num_params() / 1e6:.2f}M | world {trainer.dist.world_size} | "
         f"batch {cfg.data.batch_size}x{cfg.data.seq_len}x{cfg.optim.grad_accum} | run dir {trainer.run_dir}"
     )
