@@ -4,7 +4,7 @@ nanoGPT's bench.py at the same model size and batch, in one run.
     python scripts/bench_train_gpu.py --nanogpt PATH_TO_NANOGPT [--steps 300] [--batch 12]
 
 The first variant, `preset`, is the preset as shipped (configs/gpt2-124m.toml with no
-flag that changes the step: its attention choice, 16 x 1,024 tokens x 32 micro-batches
+flag that changes the step: its attention choice, 32 x 1,024 tokens x 16 micro-batches
 per optimizer step, CUDA graphs, tuning): the first line printed is what a user gets.
 `preset+FLAG` adds trainer flags to it. The other variants run one micro-batch of
 `--batch` rows per step, as bench.py does.
@@ -100,6 +100,9 @@ def run_ours(
         # What `auto` resolved to (fa4 where flash-attn-4 runs, else flex): the run says.
         "attention": next(iter(re.findall(r"\| attention (\S+) \|", r.stdout)), "?"),
         "output_layer": "fp8" if "| output layer fp8 |" in r.stdout else "bf16",
+        "peak_gpu_gb": float(
+            next(iter(re.findall(r"peak GPU memory ([\d.]+) GB", r.stdout)), "nan")
+        ),
     }
 
 
@@ -156,7 +159,7 @@ def main() -> int:
         "--preset-steps",
         type=int,
         default=40,
-        help="optimizer steps of the preset variants (each 32 micro-batches)",
+        help="optimizer steps of the preset variants (each the preset's 16 micro-batches)",
     )
     p.add_argument(
         "--variants",

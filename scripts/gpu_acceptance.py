@@ -17,7 +17,7 @@ repeated runs of one preset would):
 Every row checks the exit codes, that validation losses were logged, that the second
 invocation resumed and continued the step count, and that nothing went non-finite. The
 preset rows change only the run length (--max_steps, --halt_after, --eval_every,
---ckpt_every) and --optim.grad_accum 2 (the preset's 32 would make a step 1 s). A
+--ckpt_every) and --optim.grad_accum 2 (the preset's 16 would make a step 1 s). A
 pass/fail table is printed last, and written to WORK/acceptance.md and .json."""
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ held out) become two pack-shards datasets with one GPT-2 BPE, and nanoGPT's trai
 val.bin are written from the same documents' token ids (each ending in <|endoftext|>).
 
 run: each trainer starts as a fresh process and is killed when the budget (wall clock from
-its launch: imports, compile and everything) is over. All runs: 16 x 1,024 tokens x 32
-micro-batches per step, peak lr 6e-4 (AdamW) with 30 warm-up steps and cosine decay to 10%
+its launch: imports, compile and everything) is over. All runs: 524,288 tokens per step
+(nanoGPT 16 x 1,024 x 32 micro-batches, ours the preset's own, 32 x 1,024 x 16 since the
+fifth session of issue 18; 16 x 32 before), peak lr 6e-4 (AdamW) with 30 warm-up steps and cosine decay to 10%
 at step 300. Snapshots of the weights every 20 steps, with the wall time they were taken
 at: nanoGPT's own checkpoint save writes the model only (no 1.5 GB optimizer file in its
 loop); ours write their usual checkpoints (in the background). Ours run the GPT-2 preset

@@ -75,6 +75,11 @@ def final_report(trainer, result: dict, seconds: float) -> None:
         f"done: {result['step']} steps, {trainer.tokens_seen:,} tokens in {seconds:.0f}s; "
         f"loader padding {pad:.2%}, data wait {stats['wait_s']:.2f}s; skipped steps {result['skipped']}; "
         f"compile fallbacks {len(result['fallbacks'])}"
+        + (
+            f"; peak GPU memory {torch.cuda.max_memory_allocated(trainer.device) / 1e9:.1f} GB"
+            if trainer.device.type == "cuda"
+            else ""
+        )
     )
     say(f"checkpoints and logs: {trainer.run_dir}/ (train.log, ckpt-*.pt)")
     if trainer.cfg.tensorboard:
