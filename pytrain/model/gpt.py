@@ -312,9 +312,12 @@ class GPT(nn.Module):
         return choice == "on" or (choice == "auto" and fused_ce.triton_available(device))
 
     def uses_float8_head(self, device: torch.device) -> bool:
-        """Whether the fused output layer multiplies in FP8: 'on', or 'auto' on a GPU with
-        FP8 matmuls (compute capability 8.9 and later: Ada, Hopper, Blackwell)."""
+        """Whether the fused output layer multiplies in FP8: where training uses it, 'on',
+        or 'auto' on a GPU with FP8 matmuls (compute capability 8.9 and later: Ada, Hopper,
+        Blackwell)."""
         choice = self.cfg.float8_head
+        if not self.uses_fused_ce(device):
+            return False
         if choice == "auto":
             return fused_ce.triton_available(device) and torch.cuda.get_device_capability(
                 device
