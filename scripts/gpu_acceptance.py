@@ -51,6 +51,7 @@ class Row:
     val_loss: float = math.nan
     evals: int = 0
     resumed: str = "-"
+    setup: str = "-"
     note: str = ""
     logs: list[str] = field(default_factory=list)
 
@@ -70,6 +71,14 @@ def run(cmd: list[str], log: Path, env: dict | None = None) -> tuple[int, str]:
         f"$ {' '.join(cmd)}\n{r.stdout}\n[exit {r.returncode} after {time.perf_counter() - t0:.0f}s]\n"
     )
     return r.returncode, r.stdout
+
+
+def read_setup(out: str, row: Row) -> None:
+    """What the trainer's start line says it chose: attention, FP8 output layer, batch
+    (rows x tokens x micro-batches), e.g. 'fa4, fp8 head, 32x1024x2'."""
+    m = re.search(r"\| attention (\S+)( \| output layer fp8)? \|.*?\| batch (\S+) \|", out)
+    if m:
+        row.setup = ", ".join(x for x in (m.group(1), m.group(2) and "fp8 head", m.group(3)) if x)
 
 
 def read_log(run_dir: Path, row: Row) -> None:
@@ -102,6 +111,7 @@ def train_twice(row: Row, work: Path, args: list[str], first: int, total: int, l
     rc2, out2 = run(cmd, work / f"{row.name}-2.log")
     row.wall_s = time.perf_counter() - t0
     read_log(work / "runs" / row.name, row)
+    read_setup(out1, row)
     m = re.search(r"resumed from \S+ at step (\d+)", out2)
     row.resumed = f"at step {m.group(1)}" if m else "no"
     problems = []
@@ -131,6 +141,7 @@ def row_default(work: Path) -> Row:
     rc, out = run([*TRAIN, "--out_dir", str(work / "runs")], work / "default.log", env)
     row.wall_s = time.perf_counter() - t0
     read_log(work / "runs" / "default", row)
+    read_setup(out, row)
     m = re.search(r"validation loss ([\d.]+) nats/token vs unigram baseline ([\d.]+)", out)
     problems = [f"exit code {rc}"] if rc else []
     if "building the embedded default dataset" not in out:
@@ -239,12 +250,12 @@ ROWS = {
 
 def table(rows: list[Row]) -> str:
     lines = [
-        "| row | result | wall s | steps | train loss | val loss | evals | resumed | note |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| row | result | wall s | setup | steps | train loss | val loss | evals | resumed | note |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r.name} | {'PASS' if r.ok else 'FAIL'} | {r.wall_s:.0f} | {r.steps} | {r.train_loss:.4f} | "
+            f"| {r.name} | {'PASS' if r.ok else 'FAIL'} | {r.wall_s:.0f} | {r.setup} | {r.steps} | {r.train_loss:.4f} | "
             f"{r.val_loss:.4f} | {r.evals} | {r.resumed} | {r.note or '-'} |"
         )
     return "\n".join(lines)
