@@ -3,12 +3,16 @@ standard library), TensorBoard events, checkpoints, and a resume that continues.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
@@ -38,6 +42,14 @@ def test_embedded_default_trains_logs_checkpoints_and_resumes(tmp_path):
     assert m, out
     assert float(m.group(1)) < float(m.group(2))
     assert "--- sample 1 ---" in out and "tensorboard --logdir" in out
+    # scripts/gpu_acceptance.py reads what the run chose from the start line.
+    spec = importlib.util.spec_from_file_location("acceptance", ROOT / "scripts/gpu_acceptance.py")
+    acceptance = importlib.util.module_from_spec(spec)
+    sys.modules["acceptance"] = acceptance  # its dataclass looks its module up there
+    spec.loader.exec_module(acceptance)
+    row = acceptance.Row("default", "")
+    acceptance.read_setup(out, row)
+    assert row.setup == "sdpa_mask, 8x128x1", row.setup
     run = tmp_path / "runs" / "default"
     assert list((run / "tb").glob("events.out.tfevents.*"))
     assert sorted(p.name for p in run.glob("ckpt-*.pt")) == ["ckpt-00000030.pt", "ckpt-00000060.pt"]
