@@ -123,8 +123,9 @@ def _add_output_args(p: argparse.ArgumentParser, progress: bool = True) -> None:
         p.add_argument(
             "--progress",
             action=argparse.BooleanOptionalAction,
-            default=True,
-            help="show a progress bar",
+            default=None,
+            help="show a progress bar (default: when stderr is a terminal; in a log file the "
+            "bar's carriage returns would share lines with the messages)",
         )
 
 
@@ -166,7 +167,8 @@ def pack_main(argv: list[str]) -> int:
     docs = iter_documents(
         args.inputs, ReadOptions(text_field=args.text_field, txt_per_line=args.txt_per_line), bad
     )
-    bar = _progress_bar() if args.progress else None
+    show = sys.stderr.isatty() if args.progress is None else args.progress
+    bar = _progress_bar() if show else None
     try:
         report = pack(
             docs, args.output, opts, overwrite=args.overwrite, progress=bar,

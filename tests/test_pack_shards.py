@@ -170,6 +170,18 @@ def test_bad_input_names_file_and_line_and_writes_nothing(tmp_path, content, nee
     assert not any(p.name.startswith(".ds.tmp") for p in tmp_path.iterdir())
 
 
+def test_progress_bar_only_on_a_terminal_unless_asked(corpus, bpe_tokenizer_file, tmp_path):
+    """stderr here is a pipe, as in a log file: no bar (its carriage returns would share
+    lines with the messages) unless --progress asks for it."""
+    base = [sys.executable, "-m", "pytrain.pack_shards", str(corpus),
+            "--tokenizer", str(bpe_tokenizer_file)]  # fmt: skip
+    auto = subprocess.run([*base, "-o", str(tmp_path / "a")], capture_output=True)
+    asked = subprocess.run([*base, "-o", str(tmp_path / "b"), "--progress"], capture_output=True)
+    assert auto.returncode == asked.returncode == 0, auto.stderr + asked.stderr
+    assert b"\r" not in auto.stderr and b"packed " in auto.stdout
+    assert b"\r" in asked.stderr
+
+
 def test_zstd_level_out_of_range_is_a_usage_error(corpus, tmp_path):
     r = run_cli(str(corpus / "more.jsonl"), "-o", str(tmp_path / "ds"), "--zstd-level", "99")
     assert r.returncode == 2 and "--zstd-level 99 is outside" in r.stderr
