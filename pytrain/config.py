@@ -24,6 +24,16 @@ else:  # pragma: no cover
 
 from pytrain.model.config import ModelConfig
 
+COMPILE_LEVELS = ("reduce-overhead", "max-autotune-no-cudagraphs", "default", "eager")
+"""torch.compile's modes, most ambitious first: the fallback ladder of
+pytrain.train.compile_policy."""
+CHOICES = {
+    "precision": ("auto", "bf16", "fp16", "fp32"),
+    "compile.mode": ("auto", *COMPILE_LEVELS),
+    "data.mode": ("pack", "bucket"),
+}
+"""The training settings that take one of a few words (the model's: ModelConfig.check)."""
+
 TRUE_WORDS = {"1", "true", "yes", "on"}
 FALSE_WORDS = {"0", "false", "no", "off"}
 
@@ -445,7 +455,25 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         apply_toml(cfg, preset)
     for key, value in args.items():
         _set(cfg, key, value)
+    check_choices(cfg)
     return cfg
+
+
+def check_choices(cfg: TrainConfig) -> None:
+    """ConfigError naming the first setting that is not one of its words."""
+    for key, words in CHOICES.items():
+        obj = cfg
+        *path, last = key.split(".")
+        for part in path:
+            obj = getattr(obj, part)
+        if getattr(obj, last) not in words:
+            raise ConfigError(
+                f"{key} is {getattr(obj, last)!r}; expected one of {', '.join(words)}"
+            )
+    try:
+        cfg.model.check()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def to_dict(cfg: TrainConfig) -> dict:

@@ -128,7 +128,9 @@ def test_fp8_falls_back_to_bf16_where_shapes_are_not_multiples_of_16():
 
 def test_gpt_float8_head_choices():
     cfg = dict(vocab_size=200, n_layer=1, n_head=2, d_model=32)
-    with pytest.raises(ValueError, match="float8_head 'yes'"):
+    with pytest.raises(
+        ValueError, match="model.float8_head is 'yes'; expected one of auto, on, off"
+    ):
         GPT(ModelConfig(**cfg, float8_head="yes"))
     with pytest.raises(ValueError, match="needs the fused output layer"):
         GPT(ModelConfig(**cfg, float8_head="on", fused_ce="off"))

@@ -149,5 +149,5 @@ def test_a_variant_without_a_transformers_class_is_refused_by_name():
     ):
         hf_config(cfg, 4096, 0, None)
     assert GPT(ModelConfig(n_layer=1, d_model=64, n_head=2)).vocab == 4096
-    with pytest.raises(ValueError, match="mlp 'relu2' is not swiglu or gelu"):
+    with pytest.raises(ValueError, match="model.mlp is 'relu2'; expected one of swiglu, gelu"):
         GPT(cfg)

@@ -82,6 +82,12 @@ def test_embedded_default_trains_logs_checkpoints_and_resumes(tmp_path):
         (["--config", "{tmp}/bad.toml"], "unknown setting 'model.n_layers'"),
         (["--optim.lrr", "1"], "unrecognized arguments: --optim.lrr"),
         (["--compile=maybe"], "'maybe' is not a boolean"),
+        (["--model.mlp", "relu"], "model.mlp is 'relu'; expected one of swiglu, gelu"),
+        (["--model.float8_head", "yes"], "model.float8_head is 'yes'; expected one of auto"),
+        (["--model.n_head", "5"], "model.d_model 256 is not a multiple of model.n_head 5"),
+        (["--precision", "fp8"], "precision is 'fp8'; expected one of auto, bf16, fp16, fp32"),
+        (["--compile.mode", "fast"], "compile.mode is 'fast'; expected one of auto, reduce-over"),
+        (["--data.mode", "stream"], "data.mode is 'stream'; expected one of pack, bucket"),
     ],
 )
 def test_user_errors_are_one_line_naming_the_path_or_key(tmp_path, small_corpus, args, named):

@@ -261,7 +261,7 @@ def test_sdpa_backend_choice_keeps_the_loss_and_unknown_names_fail():
         gpt = GPT(ModelConfig(vocab_size=64, n_layer=1, n_head=2, d_model=32, sdpa_backend=backend))
         losses[backend] = gpt(ids).float().logsumexp(-1).mean()
     assert torch.allclose(losses["auto"], losses["math"], atol=1e-5)
-    with pytest.raises(ValueError, match="sdpa_backend 'fa3'"):
+    with pytest.raises(ValueError, match="model.sdpa_backend is 'fa3'"):
         GPT(ModelConfig(vocab_size=64, n_layer=1, n_head=2, d_model=32, sdpa_backend="fa3"))
 
 

@@ -8,6 +8,18 @@ from dataclasses import dataclass
 ARCHITECTURE = ("vocab_size", "n_layer", "n_head", "d_model", "mlp", "mlp_ratio",
                 "tie_embeddings", "rope_base")  # fmt: skip
 
+CHOICES = {
+    "mlp": ("swiglu", "gelu"),
+    "attention": ("auto", "fa4", "flex", "sdpa_mask", "causal"),
+    "sdpa_backend": ("auto", "cudnn", "flash", "efficient", "math", "fa4"),
+    "residual": ("fp32", "compute"),
+    "fused_ce": ("auto", "on", "off"),
+    "float8_head": ("auto", "on", "off"),
+    "float8": ("off", "tensorwise", "rowwise"),
+}
+"""The settings that take one of a few words, and the words: checked where the command line
+and presets are read (one line naming the setting) and where a model is built."""
+
 
 @dataclass
 class ModelConfig:
@@ -51,6 +63,23 @@ class ModelConfig:
         """A [model] section as a checkpoint saved it (keys this version lacks are dropped;
         keys the checkpoint lacks take their defaults)."""
         return cls(**{k: v for k, v in model.items() if k in cls.__dataclass_fields__})
+
+    def check(self) -> None:
+        """ValueError naming the first setting that is not one of its words, or that does
+        not fit the others."""
+        for key, words in CHOICES.items():
+            if getattr(self, key) not in words:
+                raise ValueError(
+                    f"model.{key} is {getattr(self, key)!r}; expected one of {', '.join(words)}"
+                )
+        if self.d_model % self.n_head:
+            raise ValueError(
+                f"model.d_model {self.d_model} is not a multiple of model.n_head {self.n_head}"
+            )
+        if self.float8_head == "on" and self.fused_ce == "off":
+            raise ValueError(
+                "model.float8_head=on needs the fused output layer (model.fused_ce auto or on)"
+            )
 
     def architecture(self) -> dict:
         """The settings that define the function the weights compute, by name: a checkpoint

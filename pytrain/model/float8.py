@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from pytrain.config import ConfigError
+from pytrain.model.config import CHOICES
 
-RECIPES = ("off", "tensorwise", "rowwise")
+RECIPES = CHOICES["float8"]
 
 
 def convert(model: nn.Module, recipe: str, device: torch.device) -> int:

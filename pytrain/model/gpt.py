@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from pytrain.config import ConfigError
 from pytrain.model import flash4, fused_ce
 from pytrain.model.config import ModelConfig
 
@@ -75,9 +76,6 @@ def flex_available() -> bool:
     return torch.cuda.is_available()
 
 
-SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math", "fa4")
-
-
 def sdpa(q, k, v, backend: str = "auto", **kwargs) -> torch.Tensor:
     """scaled_dot_product_attention, restricted to one kernel unless backend is 'auto'.
     torch.compile traces the sdpa_kernel context (one backend, no priority list)."""
@@ -129,8 +127,6 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.dropout = cfg.dropout
-        if cfg.sdpa_backend not in SDPA_BACKENDS:
-            raise ValueError(f"sdpa_backend {cfg.sdpa_backend!r} is not one of {SDPA_BACKENDS}")
         self.backend = cfg.sdpa_backend
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None = None) -> torch.Tensor:
@@ -196,18 +192,7 @@ class Block(nn.Module):
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        if cfg.d_model % cfg.n_head:
-            raise ValueError(f"d_model {cfg.d_model} is not a multiple of n_head {cfg.n_head}")
-        if cfg.mlp not in ("swiglu", "gelu"):
-            raise ValueError(f"mlp {cfg.mlp!r} is not swiglu or gelu")
-        if cfg.residual not in ("fp32", "compute"):
-            raise ValueError(f"residual {cfg.residual!r} is not fp32 or compute")
-        if cfg.fused_ce not in ("auto", "on", "off"):
-            raise ValueError(f"fused_ce {cfg.fused_ce!r} is not auto, on or off")
-        if cfg.float8_head not in ("auto", "on", "off"):
-            raise ValueError(f"float8_head {cfg.float8_head!r} is not auto, on or off")
-        if cfg.float8_head == "on" and cfg.fused_ce == "off":
-            raise ValueError("float8_head=on needs the fused output layer (fused_ce auto or on)")
+        cfg.check()
         self.cfg = cfg
         self.vocab = 64 * math.ceil(cfg.vocab_size / 64)
         self.embed = nn.Embedding(self.vocab, cfg.d_model)
@@ -250,10 +235,8 @@ class GPT(nn.Module):
             return (
                 "flex" if compiled and device.type == "cuda" and flex_available() else "sdpa_mask"
             )
-        if a not in ("fa4", "flex", "sdpa_mask", "causal"):
-            raise ValueError(f"attention {a!r} is not auto, fa4, flex, sdpa_mask or causal")
         if a == "fa4" and not fa4:
-            raise ValueError(
+            raise ConfigError(
                 "attention 'fa4' needs a Hopper or Blackwell GPU and the flash-attn-4 package"
             )
         return a

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-LEVELS = ["reduce-overhead", "max-autotune-no-cudagraphs", "default", "eager"]
+from pytrain.config import COMPILE_LEVELS
+
+LEVELS = list(COMPILE_LEVELS)
 
 # Messages of failures that a lower compile level avoids.
 COMPILE_FAILURE_MARKERS = (
