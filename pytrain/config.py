@@ -405,11 +405,17 @@ class _BoolAction(argparse.BooleanOptionalAction):
         super().__call__(parser, namespace, None, option_string)
 
 
-def _set(cfg, key: str, value) -> None:
+def _owner(cfg, key: str) -> tuple[object, str]:
+    """The section a dotted key lives in, and its last part ('data.mode': cfg.data, 'mode')."""
     obj = cfg
     *path, last = key.split(".")
     for part in path:
         obj = getattr(obj, part)
+    return obj, last
+
+
+def _set(cfg, key: str, value) -> None:
+    obj, last = _owner(cfg, key)
     if not hasattr(obj, last):
         raise KeyError(key)
     setattr(obj, last, value)
@@ -462,14 +468,9 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
 def check_choices(cfg: TrainConfig) -> None:
     """ConfigError naming the first setting that is not one of its words."""
     for key, words in CHOICES.items():
-        obj = cfg
-        *path, last = key.split(".")
-        for part in path:
-            obj = getattr(obj, part)
-        if getattr(obj, last) not in words:
-            raise ConfigError(
-                f"{key} is {getattr(obj, last)!r}; expected one of {', '.join(words)}"
-            )
+        value = getattr(*_owner(cfg, key))
+        if value not in words:
+            raise ConfigError(f"{key} is {value!r}; expected one of {', '.join(words)}")
     try:
         cfg.model.check()
     except ValueError as e:

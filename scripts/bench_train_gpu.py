@@ -239,7 +239,7 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
         if "error" in r:
-            print(f"| {r['name']} | | failed: {r['error']} | | | | |")
+            print(f"| {r['name']} | | | failed: {r['error']} | | | | |")
             continue
         ratio = f"{r['tokens_per_s'] / base:.3f}x" if base else "-"
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "-"

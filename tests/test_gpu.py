@@ -161,14 +161,14 @@ def bf16_loss_and_grads(gpt, run, *args) -> tuple[float, list[torch.Tensor]]:
     return float(loss.detach()), [p.grad.float().clone() for p in gpt.parameters()]
 
 
-def assert_same_loss_and_grads(gpt, got, want) -> None:
+def assert_same_loss_and_grads(gpt, got, want, loss_rtol=2e-3, grad_rtol=2e-2) -> None:
     """bf16 compiled against bf16 eager: the losses agree to 2e-3; single elements of
     summed gradients can differ by rounding, so each gradient is compared as a whole
-    (relative Frobenius error below 2e-2)."""
-    assert abs(got[0] - want[0]) < 2e-3 * abs(want[0]), (got[0], want[0])
+    (relative Frobenius error below 2e-2). FP8 runs pass wider bounds."""
+    assert abs(got[0] - want[0]) < loss_rtol * abs(want[0]), (got[0], want[0])
     for (name, _), a, b in zip(gpt.named_parameters(), got[1], want[1], strict=True):
         err = float((a - b).norm() / b.norm().clamp_min(1e-12))
-        assert err < 2e-2, (name, err)
+        assert err < grad_rtol, (name, err)
 
 
 @needs_cuda
@@ -233,10 +233,7 @@ def test_compiled_model_with_float8_head_is_close_to_bf16():
     want = bf16_loss_and_grads(gpt, gpt.loss_sum, *args)
     gpt.cfg.float8_head = "on"
     got = bf16_loss_and_grads(gpt, torch.compile(gpt.loss_sum), *args)
-    assert abs(got[0] - want[0]) < 5e-3 * abs(want[0]), (got[0], want[0])
-    for (name, _), a, b in zip(gpt.named_parameters(), got[1], want[1], strict=True):
-        err = float((a - b).norm() / b.norm().clamp_min(1e-12))
-        assert err < 0.05, (name, err)
+    assert_same_loss_and_grads(gpt, got, want, loss_rtol=5e-3, grad_rtol=0.05)
 
 
 @needs_cuda
@@ -390,10 +387,7 @@ def test_float8_blocks_keep_the_loss_and_gradients_close():
     want = bf16_loss_and_grads(gpt, gpt.loss_sum, *args)
     assert float8.convert(gpt, "tensorwise", torch.device("cuda")) == 2 * 4  # qkv, proj, up, down
     got = bf16_loss_and_grads(gpt, torch.compile(gpt.loss_sum), *args)
-    assert abs(got[0] - want[0]) < 1e-2 * abs(want[0]), (got[0], want[0])
-    for (name, _), a, b in zip(gpt.named_parameters(), got[1], want[1], strict=True):
-        err = float((a - b).norm() / b.norm().clamp_min(1e-12))
-        assert err < 0.2, (name, err)
+    assert_same_loss_and_grads(gpt, got, want, loss_rtol=1e-2, grad_rtol=0.2)
 
 
 @needs_cuda

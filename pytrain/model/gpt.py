@@ -299,13 +299,9 @@ class GPT(nn.Module):
         or 'auto' on a GPU with FP8 matmuls (compute capability 8.9 and later: Ada, Hopper,
         Blackwell)."""
         choice = self.cfg.float8_head
-        if not self.uses_fused_ce(device):
-            return False
-        if choice == "auto":
-            return fused_ce.triton_available(device) and torch.cuda.get_device_capability(
-                device
-            ) >= (8, 9)
-        return choice == "on"
+        if choice == "auto" and device.type == "cuda":
+            choice = "on" if torch.cuda.get_device_capability(device) >= (8, 9) else "off"
+        return choice == "on" and self.uses_fused_ce(device)
 
     def loss_sum(self, input_ids, targets, position_ids, loss_mask, mask) -> torch.Tensor:
         """Cross-entropy summed over the tokens where loss_mask is true. Masked targets
