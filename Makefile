@@ -13,23 +13,27 @@ RUST_SRC := $(wildcard rust_loader/*.rs) Cargo.toml pyproject.toml
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  make %-13s %s\n", $$1, $$2}'
 
-# FlashAttention-4 (the fa4 extra) where the GPU runs it: Hopper or Blackwell (compute
-# capability 9.x or 10.x). The presets' attention=auto then takes it for document masking
-# (the GPT-2 preset: 6% more tokens/s on an H100 than FlexAttention, BENCHMARKS.md).
-# FA4=0 leaves it out, FA4=1 puts it in whatever the GPU. Where it does not install (no
-# wheel for this Python or platform), set-up goes on without it and says so.
+# GPU extras, where an NVIDIA GPU is found: FlashAttention-4 (the fa4 extra) where it runs,
+# Hopper or Blackwell (compute capability 9.x or 10.x): the presets' attention=auto then
+# takes it for document masking (the GPT-2 preset: 6% more tokens/s on an H100 than
+# FlexAttention); nvmath-python (the cublaslt extra) on any NVIDIA GPU: the GPT-2 preset's
+# fused_gelu=auto runs the MLP's GELU inside its matmuls (BENCHMARKS.md). FA4=0/1 and
+# CUBLASLT=0/1 override. Where they do not install (no wheel for this Python or platform),
+# set-up goes on without them and says so.
 GPU_CC := $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n1)
 FA4 ?= $(if $(filter 9.% 10.%,$(GPU_CC)),1,0)
+CUBLASLT ?= $(if $(GPU_CC),1,0)
 comma := ,
-EXTRAS := dev$(if $(filter 1,$(FA4)),$(comma)fa4)
+GPU_EXTRAS := $(if $(filter 1,$(FA4)),$(comma)fa4)$(if $(filter 1,$(CUBLASLT)),$(comma)cublaslt)
+EXTRAS := dev$(GPU_EXTRAS)
 
 # The package and its extras (dev pulls in parquet, zstd, plot) through maturin, which
 # builds the extension and installs the dependencies pyproject.toml lists.
 $(VENV)/.ext: $(RUST_SRC)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip 'maturin>=1.7,<2'
-	$(VENV)/bin/maturin develop --release -q --extras $(EXTRAS) $(if $(filter 1,$(FA4)),|| { \
-	  echo "note: the fa4 extra (flash-attn-4) did not install; attention=auto uses FlexAttention" >&2; \
+	$(VENV)/bin/maturin develop --release -q --extras $(EXTRAS) $(if $(GPU_EXTRAS),|| { \
+	  echo "note: the GPU extras ($(GPU_EXTRAS:,%=%)) did not install; the presets run without them" >&2; \
 	  $(VENV)/bin/maturin develop --release -q --extras dev; })
 	touch $@
 

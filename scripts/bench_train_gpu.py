@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from pytrain.train.cli import read_start_line  # noqa: E402
 
 
 def synthetic_dataset(path: Path, docs: int) -> Path:
@@ -97,9 +99,12 @@ def run_ours(
         "compile_line": next(
             (line for line in r.stdout.splitlines() if line.startswith("compile:")), ""
         ),
-        # What `auto` resolved to (fa4 where flash-attn-4 runs, else flex): the run says.
-        "attention": next(iter(re.findall(r"\| attention (\S+) \|", r.stdout)), "?"),
-        "output_layer": "fp8" if "| output layer fp8 |" in r.stdout else "bf16",
+        # What `auto` resolved to (fa4 where flash-attn-4 runs, else flex; the output
+        # layer's and the MLP's kernels): the run's start line says.
+        **(read_start_line(r.stdout) or {"attention": "?", "output_layer": "?", "mlp": "?"}),
+        # A run that fell back (e.g. CUDA graphs refused) did not measure the configuration
+        # it names: the table says so under it.
+        "fallbacks": [x[:160] for x in r.stdout.splitlines() if x.startswith("compile fallback")],
         "peak_gpu_gb": float(
             next(iter(re.findall(r"peak GPU memory ([\d.]+) GB", r.stdout)), "nan")
         ),
@@ -234,18 +239,21 @@ def main() -> int:
     if args.json:
         args.json.write_text(json.dumps({"env": env, "results": results}, indent=1))
     print(
-        f"\n| run ({env}) | attention | output layer | tokens/s | step ms | data wait ms | MFU (989 TF peak) | vs nanoGPT |"
+        f"\n| run ({env}) | attention | output layer | mlp | tokens/s | step ms | data wait ms | MFU (989 TF peak) | vs nanoGPT |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         if "error" in r:
-            print(f"| {r['name']} | | | failed: {r['error']} | | | | |")
+            print(f"| {r['name']} | | | | failed: {r['error']} | | | | |")
             continue
         ratio = f"{r['tokens_per_s'] / base:.3f}x" if base else "-"
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "-"
         print(
-            f"| {r['name']} | {r.get('attention', 'causal')} | {r.get('output_layer', 'bf16')} | {r['tokens_per_s']:,.0f} | {r['step_ms']:.1f} | {r.get('data_wait_ms', float('nan')):.2f} | {mfu} | {ratio} |"
+            f"| {r['name']}{' (fell back)' if r.get('fallbacks') else ''} | {r.get('attention', 'causal')} | {r.get('output_layer', 'bf16')} | {r.get('mlp', 'gelu')} | {r['tokens_per_s']:,.0f} | {r['step_ms']:.1f} | {r.get('data_wait_ms', float('nan')):.2f} | {mfu} | {ratio} |"
         )
+    for r in results:
+        for line in r.get("fallbacks", []):
+            print(f"note: {r['name']}: {line}")
     return 0
 
 

@@ -36,6 +36,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from pytrain.train.cli import read_start_line  # noqa: E402
+
 PY = sys.executable
 TRAIN = [PY, "-m", "pytrain.train", "--no-progress"]
 
@@ -74,11 +77,12 @@ def run(cmd: list[str], log: Path, env: dict | None = None) -> tuple[int, str]:
 
 
 def read_setup(out: str, row: Row) -> None:
-    """What the trainer's start line says it chose: attention, FP8 output layer, batch
-    (rows x tokens x micro-batches), e.g. 'fa4, fp8 head, 32x1024x2'."""
-    m = re.search(r"\| attention (\S+)( \| output layer fp8)? \|.*?\| batch (\S+) \|", out)
-    if m:
-        row.setup = ", ".join(x for x in (m.group(1), m.group(2) and "fp8 head", m.group(3)) if x)
+    """What the trainer's start line says it chose: attention, the output layer's and the
+    MLP's kernels, batch (rows x tokens x micro-batches), e.g. 'fa4, fp8 head, gelu fused,
+    32x1024x2'."""
+    if s := read_start_line(out):
+        head = "fp8 head" if s["output_layer"] == "fp8" else ""
+        row.setup = ", ".join(x for x in (s["attention"], head, s["mlp"], s["batch"]) if x)
 
 
 def read_log(run_dir: Path, row: Row) -> None:
@@ -94,6 +98,12 @@ def read_log(run_dir: Path, row: Row) -> None:
     row.evals = len(vals)
     if any(not math.isfinite(x) for x in losses + vals):
         row.note += "non-finite loss; "
+
+
+def fallbacks(out: str) -> list[str]:
+    """The trainer's compile fallbacks (e.g. CUDA graphs refused): the run went on, slower
+    and not as configured, so the row fails and names them."""
+    return [line.strip()[:160] for line in out.splitlines() if line.startswith("compile fallback")]
 
 
 def train_twice(row: Row, work: Path, args: list[str], first: int, total: int, launcher=None):
@@ -130,6 +140,7 @@ def train_twice(row: Row, work: Path, args: list[str], first: int, total: int, l
             problems.append("recompiles after warm-up")
         if "flex_attention called without torch.compile" in out:
             problems.append("uncompiled FlexAttention")
+        problems += fallbacks(out)
     row.note += "; ".join(problems)
     row.ok = not problems and not row.note
 
@@ -152,6 +163,7 @@ def row_default(work: Path) -> Row:
         problems.append("no samples")
     if "flex_attention called without torch.compile" in out or "Traceback" in out:
         problems.append("uncompiled FlexAttention or a traceback")
+    problems += fallbacks(out)
     row.note = "; ".join(problems)
     row.ok = not problems and row.evals >= 2
     return row

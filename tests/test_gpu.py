@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from pytrain import _loader, data
 from pytrain.data import TokenLoader
@@ -152,6 +153,22 @@ def test_fa4_model_compiles_and_matches_the_masked_model():
     assert_same_loss_and_grads(gpt, got, want)
 
 
+def small_gpt_and_batch(masked: bool = True, **model):
+    """A 2-layer GPT at GPT-2's vocabulary on the GPU (seed 0) and a loss_sum batch of 4 x 512
+    tokens, 10% of them masked out of the loss unless `masked` is False."""
+    from pytrain.model.gpt import GPT, ModelConfig
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=50304, n_layer=2, n_head=4, d_model=256, **model)
+    gpt = GPT(cfg).cuda().train()
+    ids = torch.randint(0, 50257, (4, 513), device="cuda")
+    if masked:
+        keep = torch.rand(4, 512, device="cuda") > 0.1
+    else:
+        keep = torch.ones(4, 512, dtype=torch.bool, device="cuda")
+    return gpt, (ids[:, :-1], ids[:, 1:], None, keep, None)
+
+
 def bf16_loss_and_grads(gpt, run, *args) -> tuple[float, list[torch.Tensor]]:
     """One bf16 forward and backward of `run(*args)`: the loss and every gradient."""
     gpt.zero_grad()
@@ -222,14 +239,7 @@ def test_fp8_head_kernel_rounds_to_nearest_and_matches_the_emulation():
 def test_compiled_model_with_float8_head_is_close_to_bf16():
     """--model.float8_head on: the compiled model's loss within 0.5% of the bf16 fused op's,
     each gradient within 5% (the output layer's weight gets e5m2 gradients)."""
-    from pytrain.model.gpt import GPT, ModelConfig
-
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=50304, n_layer=2, n_head=4, d_model=256, fused_ce="on")
-    gpt = GPT(cfg).cuda().train()
-    ids = torch.randint(0, 50257, (4, 513), device="cuda")
-    keep = torch.ones(4, 512, dtype=torch.bool, device="cuda")
-    args = (ids[:, :-1], ids[:, 1:], None, keep, None)
+    gpt, args = small_gpt_and_batch(masked=False, fused_ce="on")
     want = bf16_loss_and_grads(gpt, gpt.loss_sum, *args)
     gpt.cfg.float8_head = "on"
     got = bf16_loss_and_grads(gpt, torch.compile(gpt.loss_sum), *args)
@@ -240,24 +250,63 @@ def test_compiled_model_with_float8_head_is_close_to_bf16():
 def test_compiled_model_with_fused_ce_matches_unfused():
     """GPT's loss and gradients with the fused output layer + loss (compiled, bf16)
     against the unfused eager model."""
-    from pytrain.model.gpt import GPT, ModelConfig
-
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=50304, n_layer=2, n_head=4, d_model=256, fused_ce="on")
-    gpt = GPT(cfg).cuda().train()
-    ids = torch.randint(0, 50257, (4, 513), device="cuda")
-    keep = torch.rand(4, 512, device="cuda") > 0.1
-    args = (ids[:, :-1], ids[:, 1:], None, keep, None)
+    gpt, args = small_gpt_and_batch(fused_ce="on")
     got = bf16_loss_and_grads(gpt, torch.compile(gpt.loss_sum), *args)
     gpt.cfg.fused_ce = "off"
     want = bf16_loss_and_grads(gpt, gpt.loss_sum, *args)
     assert_same_loss_and_grads(gpt, got, want)
 
 
+def nvmath_available() -> bool:
+    from pytrain.model import fused_gelu
+
+    return torch.cuda.is_available() and fused_gelu.available(torch.device("cuda"))
+
+
+@pytest.mark.skipif(not nvmath_available(), reason="needs CUDA and nvmath-python")
+def test_cublaslt_gelu_epilogues_equal_the_torch_form():
+    """The ops through cuBLASLt against their torch form (what the CPU tests check against
+    autograd), at the preset's layer shape: bf16 within rounding, the column-major layout
+    the fake tensors declare; and in fp32 the epilogue's GELU is the tanh form (closer to it
+    than to erf by far), as the module says."""
+    from pytrain.model import fused_gelu
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(4096, 768, device="cuda", generator=g).bfloat16()
+    w_up = (torch.randn(3072, 768, device="cuda", generator=g) * 0.05).bfloat16()
+    w_down = (torch.randn(768, 3072, device="cuda", generator=g) * 0.02).bfloat16()
+    dy = torch.randn(4096, 768, device="cuda", generator=g).bfloat16()
+    got_g, got_h = torch.ops.pytrain.gelu_up(x, w_up)
+    got_dh = torch.ops.pytrain.dgelu_down(dy, w_down, got_h)
+    assert got_g.stride() == got_h.stride() == got_dh.stride() == (1, 4096)
+    h = x.float() @ w_up.float().t()
+    want_g = F.gelu(h, approximate="tanh")
+    want_dh = torch.ops.aten.gelu_backward(dy.float() @ w_down.float(), h, approximate="tanh")
+    for got, want in ((got_h, h), (got_g, want_g), (got_dh, want_dh)):
+        assert float((got.float() - want).norm() / want.norm()) < 1e-2
+    x32, w32 = x.float(), w_up.float()
+    g32, h32 = fused_gelu._run("GELU_AUX", x32, w32.t())[0], x32 @ w32.t()
+    tanh_err = float((g32 - F.gelu(h32, approximate="tanh")).abs().max())
+    erf_err = float((g32 - F.gelu(h32)).abs().max())
+    assert tanh_err < erf_err / 4, (tanh_err, erf_err)
+
+
+@pytest.mark.skipif(not nvmath_available(), reason="needs CUDA and nvmath-python")
+def test_compiled_model_with_fused_gelu_matches_unfused():
+    """The GELU model compiled with model.fused_gelu=on against the eager unfused one (erf
+    GELU): loss and gradients within bf16 compile bounds."""
+    gpt, args = small_gpt_and_batch(mlp="gelu")
+    want = bf16_loss_and_grads(gpt, gpt.loss_sum, *args)
+    gpt.cfg.fused_gelu = "on"
+    got = bf16_loss_and_grads(gpt, torch.compile(gpt.loss_sum), *args)
+    assert_same_loss_and_grads(gpt, got, want)
+
+
 @needs_cuda
 def test_cuda_graphs_with_gradient_accumulation_match_default_compile(tmp_path=None):
     """CUDA graphs (reduce-overhead) with 2 micro-batches per step: no fallback, and the
-    losses of the default compile mode (fp32 parameters: the gradients kept as tensors
+    losses of the default compile mode, with the GELU MLP as the GPT-2 preset has it (its
+    cuBLASLt ops where nvmath-python is installed: CUDA graphs once refused them) (fp32 parameters: the gradients kept as tensors
     between micro-steps, see OptimizerStep.zero_grads, pytorch/pytorch#169545 without it; bf16
     parameters with fp32 masters: each micro-batch's gradients summed into fp32 at once)."""
     from pytrain.config import parse_args
@@ -274,6 +323,7 @@ def test_cuda_graphs_with_gradient_accumulation_match_default_compile(tmp_path=N
                 "--data.path", str(data), "--out_dir", str(tmp_path / "runs"),
                 "--model.n_layer", "2", "--model.n_head", "2", "--model.d_model", "128",
                 "--model.vocab_size", "50304", "--model.attention", "causal",
+                "--model.mlp", "gelu", "--model.fused_gelu", "auto",
                 "--data.seq_len", "256", "--data.batch_size", "4", "--optim.grad_accum", "2",
                 "--max_steps", "6", "--eval_every", "0", "--ckpt_every", "0", "--samples", "0",
                 "--no-progress", "--no-tensorboard", "--compile", "--compile.mode", mode,
@@ -425,6 +475,10 @@ if __name__ == "__main__":
         test_fp8_head_kernel_rounds_to_nearest_and_matches_the_emulation()
         test_compiled_model_with_float8_head_is_close_to_bf16()
         ran.append("float8_head")
+    if nvmath_available():
+        test_cublaslt_gelu_epilogues_equal_the_torch_form()
+        test_compiled_model_with_fused_gelu_matches_unfused()
+        ran.append("fused_gelu")
     if torchao_available():
         test_float8_blocks_keep_the_loss_and_gradients_close()
         ran.append("float8")

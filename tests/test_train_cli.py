@@ -49,7 +49,7 @@ def test_embedded_default_trains_logs_checkpoints_and_resumes(tmp_path):
     spec.loader.exec_module(acceptance)
     row = acceptance.Row("default", "")
     acceptance.read_setup(out, row)
-    assert row.setup == "sdpa_mask, 8x128x1", row.setup
+    assert row.setup == "sdpa_mask, swiglu, 8x128x1", row.setup
     run = tmp_path / "runs" / "default"
     assert list((run / "tb").glob("events.out.tfevents.*"))
     assert sorted(p.name for p in run.glob("ckpt-*.pt")) == ["ckpt-00000030.pt", "ckpt-00000060.pt"]
@@ -84,6 +84,10 @@ def test_embedded_default_trains_logs_checkpoints_and_resumes(tmp_path):
         (["--compile=maybe"], "'maybe' is not a boolean"),
         (["--model.mlp", "relu"], "model.mlp is 'relu'; expected one of swiglu, gelu"),
         (["--model.float8_head", "yes"], "model.float8_head is 'yes'; expected one of auto"),
+        (
+            ["--model.fused_gelu", "on"],
+            "model.fused_gelu=on needs model.mlp=gelu and model.float8=off",
+        ),
         (["--model.n_head", "5"], "model.d_model 256 is not a multiple of model.n_head 5"),
         (["--precision", "fp8"], "precision is 'fp8'; expected one of auto, bf16, fp16, fp32"),
         (["--compile.mode", "fast"], "compile.mode is 'fast'; expected one of auto, reduce-over"),

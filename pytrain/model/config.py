@@ -15,6 +15,7 @@ CHOICES = {
     "residual": ("fp32", "compute"),
     "fused_ce": ("auto", "on", "off"),
     "float8_head": ("auto", "on", "off"),
+    "fused_gelu": ("auto", "on", "off"),
     "float8": ("off", "tensorwise", "rowwise"),
 }
 """The settings that take one of a few words, and the words: checked where the command line
@@ -52,6 +53,11 @@ class ModelConfig:
     """The fused output layer's three matmuls in FP8 (`torch._scaled_mm`, e4m3 input and
     weight, e5m2 logit gradient; pytrain.model.fused_ce), in training: 'auto' (on GPUs with
     FP8 matmuls: Ada, Hopper, Blackwell), 'on', 'off'. Evaluation stays in bf16."""
+    fused_gelu: str = "off"
+    """The GELU MLP's activation inside its two matmuls (cuBLASLt epilogues through
+    nvmath-python, the `cublaslt` extra; pytrain.model.fused_gelu), in training: 'auto' (on
+    CUDA where nvmath-python imports, in bf16/fp16), 'on', 'off'. Its GELU is the tanh form,
+    within bf16 rounding of the erf form that evaluation keeps."""
     float8: str = "off"
     """FP8 matmuls for the blocks' linear layers in training, through torchao (optional
     extra `float8`; GPUs with FP8: Ada, Hopper, Blackwell): 'off', 'tensorwise' or
@@ -75,6 +81,11 @@ class ModelConfig:
         if self.d_model % self.n_head:
             raise ValueError(
                 f"model.d_model {self.d_model} is not a multiple of model.n_head {self.n_head}"
+            )
+        if self.fused_gelu == "on" and (self.mlp != "gelu" or self.float8 != "off"):
+            raise ValueError(
+                "model.fused_gelu=on needs model.mlp=gelu and model.float8=off "
+                f"(here mlp={self.mlp}, float8={self.float8})"
             )
         if self.float8_head == "on" and self.fused_ce == "off":
             raise ValueError(

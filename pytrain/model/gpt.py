@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pytrain.config import ConfigError
-from pytrain.model import flash4, fused_ce
+from pytrain.model import flash4, fused_ce, fused_gelu
 from pytrain.model.config import ModelConfig
 
 __all__ = ["GPT", "ModelConfig", "document_mask"]
@@ -164,6 +164,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.cfg = cfg
         self.swiglu = cfg.mlp == "swiglu"
         hidden = cfg.mlp_hidden
         self.up = nn.Linear(cfg.d_model, hidden * (2 if self.swiglu else 1), bias=False)
@@ -173,6 +174,9 @@ class MLP(nn.Module):
         if self.swiglu:
             a, b = self.up(x).chunk(2, dim=-1)
             return self.down(F.silu(a) * b)
+        dtype = compute_dtype(x)
+        if self.training and torch.is_grad_enabled() and fused_gelu.used(self.cfg, x.device, dtype):
+            return fused_gelu.mlp(x, self.up.weight, self.down.weight, dtype)
         return self.down(F.gelu(self.up(x)))
 
 

@@ -11,8 +11,24 @@ This module imports no torch until the environment guards are in place."""
 
 from __future__ import annotations
 
+import re
 import sys
 import time
+
+START_LINE = re.compile(
+    r"\| attention (?P<attention>\S+) \| output layer (?P<output_layer>\S+) "
+    r"\| mlp (?P<mlp>[^|]+?) \|.*?\| batch (?P<batch>\S+) \|"
+)
+"""The start line's description of the step's kernels (what `auto` resolved to) and batch
+(rows x tokens x micro-batches), as the benchmark scripts read it: the one definition of
+its format besides the line itself."""
+
+
+def read_start_line(out: str) -> dict[str, str] | None:
+    """{attention, output_layer (fp8/bf16), mlp ('gelu, fused' ...), batch} from a run's
+    output, or None when it has no start line."""
+    m = START_LINE.search(out)
+    return m.groupdict() if m else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,9 +62,10 @@ def _main(argv: list[str] | None) -> int:
     if not cfg.data.path and not cfg.data.mix:  # a mixture names its own datasets
         use_default_dataset(cfg)
     trainer = Trainer(cfg)
-    fp8_head = " | output layer fp8" if trainer.gpt.uses_float8_head(trainer.device) else ""
     trainer.say(
-        f"device {trainer.device} | precision {trainer.precision.name} | attention {trainer.attention}{fp8_head} | "
+        f"device {trainer.device} | precision {trainer.precision.name} | attention {trainer.attention} | "
+        f"output layer {'fp8' if trainer.gpt.uses_float8_head(trainer.device) else 'bf16'} | "
+        f"mlp {trainer.gpt.cfg.mlp}{', fused' if trainer.fused_gelu else ''} | "
         f"params {trainer.gpt.num_params() / 1e6:.2f}M | world {trainer.dist.world_size} | "
         f"batch {cfg.data.batch_size}x{cfg.data.seq_len}x{cfg.optim.grad_accum} | run dir {trainer.run_dir}"
     )

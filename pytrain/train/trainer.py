@@ -13,7 +13,7 @@ import torch
 
 from pytrain.config import DataConfig, TrainConfig, to_dict
 from pytrain.data.batch import DeviceBatch, DeviceFeed, HostBatch
-from pytrain.model import flash4, float8
+from pytrain.model import flash4, float8, fused_gelu
 from pytrain.model.config import ModelConfig
 from pytrain.model.gpt import GPT, LossModule, checkpoint_every
 from pytrain.optim.build import build_optimizer
@@ -63,6 +63,10 @@ class Trainer:
         # Micro-batches on the device, with document segments only where the attention
         # reads them (FA4); the feed owns copies, prefetch and slot release.
         self.segments = self.attention == "fa4"
+        # Whether the MLPs' GELU runs inside their matmuls (the start line says so).
+        self.fused_gelu = fused_gelu.used(
+            self.gpt.cfg, self.device, self.precision.dtype or torch.float32
+        )
         self.feed = DeviceFeed(self.loader, self.device, self.segments)
         self.evaluator = self._evaluator()
         shapes = len(self.loader.config.batch_shapes())
