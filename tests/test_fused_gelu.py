@@ -103,6 +103,7 @@ def test_where_auto_uses_it(monkeypatch):
     cfg = ModelConfig(mlp="gelu", fused_gelu="auto")
     assert not fused_gelu.used(cfg, cpu, torch.bfloat16)  # no nvmath on CPU
     monkeypatch.setattr(fused_gelu, "_nvmath", lambda: True)
+    monkeypatch.setattr(fused_gelu, "_check", lambda device: "")
     assert fused_gelu.used(cfg, cuda, torch.bfloat16)
     assert not fused_gelu.used(cfg, cuda, torch.float32)  # TF32 matmuls are faster
     fp8_blocks = ModelConfig(mlp="gelu", float8="tensorwise", fused_gelu="auto")
@@ -115,3 +116,19 @@ def test_where_auto_uses_it(monkeypatch):
 def test_on_where_it_cannot_run_is_refused(kw):
     with pytest.raises(ValueError, match="model.fused_gelu=on needs model.mlp=gelu"):
         GPT(ModelConfig(fused_gelu="on", **kw))
+
+
+def test_auto_runs_unfused_where_the_library_fails_and_says_why(monkeypatch):
+    """nvmath-python importing but its cuBLASLt call failing (the library not loading; on a
+    machine without CUDA the tiny matmul's tensors fail first) turns `auto` off for that
+    device with the reason, instead of failing in the step."""
+    cuda = torch.device("cuda", 0)
+    cfg = ModelConfig(mlp="gelu", fused_gelu="auto")
+    monkeypatch.setattr(fused_gelu, "_nvmath", lambda: False)
+    assert "nvmath-python is not installed" in fused_gelu.why_not(cuda)
+    monkeypatch.setattr(fused_gelu, "_nvmath", lambda: True)
+    monkeypatch.setattr(fused_gelu, "_checked", {})
+    boom = RuntimeError("libcublasLt.so.13: cannot open shared object file")
+    monkeypatch.setattr(fused_gelu, "_run", lambda *a, **k: (_ for _ in ()).throw(boom))
+    assert not fused_gelu.used(cfg, cuda, torch.bfloat16)
+    assert "cuBLASLt through nvmath-python failed here" in fused_gelu.why_not(cuda)

@@ -333,6 +333,7 @@ def test_cuda_graphs_with_gradient_accumulation_match_default_compile(tmp_path=N
         t = Trainer(cfg)
         losses[mode, master] = t.fit()["losses"]
         assert t.compiler.mode == mode and not t.compiler.fallbacks, (mode, t.compiler.fallbacks)
+        assert t.fused_gelu == nvmath_available()
         t.close()
     want = losses["default", "off"]
     for run in runs[::2]:  # CUDA graphs with fp32 parameters, and with bf16 + fp32 masters

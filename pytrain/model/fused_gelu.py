@@ -42,9 +42,37 @@ def _nvmath() -> bool:
     return True
 
 
+_checked: dict[int, str] = {}
+"""Per CUDA device index: '' where a tiny GELU_AUX matmul ran through nvmath-python, else
+what went wrong (e.g. a cuBLAS of another CUDA major version than nvmath's bindings load)."""
+
+
+def _check(device: torch.device) -> str:
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index not in _checked:
+        if torch.compiler.is_compiling():
+            return ""  # the trainer checks before compiling; a trace cannot run a matmul
+        try:
+            a = torch.ones(16, 16, device=device, dtype=torch.bfloat16)
+            _run("GELU_AUX", a, a.t())
+            _checked[index] = ""
+        except Exception as e:  # the library failing to load or to plan: run unfused
+            _checked[index] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+    return _checked[index]
+
+
 def available(device: torch.device) -> bool:
-    """True on CUDA devices when nvmath-python imports."""
-    return device.type == "cuda" and _nvmath()
+    """True on CUDA devices where nvmath-python imports and runs a GELU_AUX matmul."""
+    return device.type == "cuda" and _nvmath() and not _check(device)
+
+
+def why_not(device: torch.device) -> str:
+    """Why `auto` leaves the GELU unfused on this CUDA device ('' where it fuses)."""
+    if not _nvmath():
+        return "nvmath-python is not installed: `pip install '.[cublaslt]'`"
+    if why := _check(device):
+        return f"cuBLASLt through nvmath-python failed here ({why})"
+    return ""
 
 
 def used(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> bool:

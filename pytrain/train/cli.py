@@ -74,6 +74,12 @@ def _main(argv: list[str] | None) -> int:
 
         if hint := flash4.install_hint(trainer.device.index or 0):
             trainer.say(hint)
+    cfg_m = trainer.gpt.cfg
+    if trainer.device.type == "cuda" and cfg_m.mlp == "gelu" and cfg_m.fused_gelu == "auto":
+        from pytrain.model import fused_gelu
+
+        if why := fused_gelu.why_not(trainer.device):
+            trainer.say(f"model.fused_gelu auto: {why}; the MLP's GELU runs unfused")
     try:
         result = trainer.fit()
     except TrainingStopped as e:
