@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from pytrain.model.config import ModelConfig
 
-__all__ = ["available", "mlp", "used"]
+__all__ = ["available", "mlp", "used", "why_not"]
 
 
 @functools.cache
