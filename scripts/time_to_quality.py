@@ -3,8 +3,8 @@ token ids, the same model size and tokens per optimizer step, the same wall-cloc
 evaluated by one procedure on the same held-out tokens.
 
     python scripts/time_to_quality.py prepare --work W --tokenizer gpt2.json
-    python scripts/time_to_quality.py run {nanogpt,adamw,muon} --work W [--nanogpt PEER]
-    python scripts/time_to_quality.py eval {nanogpt,adamw,muon} --work W [--nanogpt PEER]
+    python scripts/time_to_quality.py run {nanogpt,adamw,muon,adamw-unfused} --work W [--nanogpt PEER]
+    python scripts/time_to_quality.py eval {nanogpt,adamw,muon,adamw-unfused} --work W [--nanogpt PEER]
     python scripts/time_to_quality.py report --results DIR --png curves.png
 
 prepare: the Python sources installed on this machine (scripts/realtext.py; every 50th file
@@ -52,7 +52,14 @@ STEPS, WARMUP, EVERY = 300, 30, 20
 BATCH, SEQ, ACCUM = 16, 1024, 32
 LR, MIN_LR = 6e-4, 6e-5
 WINDOWS = 256
-NAMES = {"nanogpt": "nanoGPT train.py (AdamW)", "adamw": "ours, AdamW", "muon": "ours, Muon"}
+NAMES = {
+    "nanogpt": "nanoGPT train.py (AdamW)",
+    "adamw": "ours, AdamW",
+    "muon": "ours, Muon",
+    # The preset with its GELU unfused (--model.fused_gelu off): whether the cuBLASLt
+    # epilogues change the loss reached in the same time (BENCHMARKS.md, sixth session).
+    "adamw-unfused": "ours, AdamW, GELU unfused",
+}
 
 
 def prepare(work: Path, tokenizer: Path, max_mb: int) -> None:
@@ -71,6 +78,11 @@ def prepare(work: Path, tokenizer: Path, max_mb: int) -> None:
     for f in files.values():
         f.close()
     print(f"{n + 1} source files", flush=True)
+    if n + 1 < 50:
+        for split in files:  # only what this call wrote: nothing usable
+            (work / f"{split}.jsonl").unlink()
+        sys.exit(f"prepare: {n + 1} source files in {max_mb} MB, fewer than the 50 that hold "
+                 "one out for validation; raise --mb")  # fmt: skip
     for split in ("train", "val"):
         subprocess.run(
             [sys.executable, "-m", "pytrain.pack_shards", str(work / f"{split}.jsonl"),
@@ -118,6 +130,8 @@ def run(which: str, work: Path, peer: Path, budget: float, extra: list[str]) -> 
             # Keller Jordan's GPT-2 speedrun settings for Muon (record 3): Muon at 0.02 for
             # the blocks, AdamW at 0.0036 for the (tied) embedding.
             cmd += ["--optim.name", "muon", "--optim.muon_lr", "0.02", "--optim.lr", "0.0036"]
+        if which == "adamw-unfused":
+            cmd += ["--model.fused_gelu", "off"]
         cwd = ROOT
     cmd += extra
     log = open(out / "stdout.log", "w")
