@@ -28,7 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from pytrain.train.cli import read_start_line  # noqa: E402
+from pytrain.train.cli import read_fallbacks, read_start_line  # noqa: E402
 
 
 def synthetic_dataset(path: Path, docs: int) -> Path:
@@ -104,7 +104,7 @@ def run_ours(
         **(read_start_line(r.stdout) or {"attention": "?", "output_layer": "?", "mlp": "?"}),
         # A run that fell back (e.g. CUDA graphs refused) did not measure the configuration
         # it names: the table says so under it.
-        "fallbacks": [x[:160] for x in r.stdout.splitlines() if x.startswith("compile fallback")],
+        "fallbacks": read_fallbacks(r.stdout),
         "peak_gpu_gb": float(
             next(iter(re.findall(r"peak GPU memory ([\d.]+) GB", r.stdout)), "nan")
         ),

@@ -37,7 +37,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from pytrain.train.cli import read_start_line  # noqa: E402
+from pytrain.train.cli import read_fallbacks, read_start_line  # noqa: E402
 
 PY = sys.executable
 TRAIN = [PY, "-m", "pytrain.train", "--no-progress"]
@@ -100,12 +100,6 @@ def read_log(run_dir: Path, row: Row) -> None:
         row.note += "non-finite loss; "
 
 
-def fallbacks(out: str) -> list[str]:
-    """The trainer's compile fallbacks (e.g. CUDA graphs refused): the run went on, slower
-    and not as configured, so the row fails and names them."""
-    return [line.strip()[:160] for line in out.splitlines() if line.startswith("compile fallback")]
-
-
 def train_twice(row: Row, work: Path, args: list[str], first: int, total: int, launcher=None):
     """Two invocations of the same command: the first halts after `first` steps (a
     checkpoint), the second resumes and runs to `total`."""
@@ -140,7 +134,7 @@ def train_twice(row: Row, work: Path, args: list[str], first: int, total: int, l
             problems.append("recompiles after warm-up")
         if "flex_attention called without torch.compile" in out:
             problems.append("uncompiled FlexAttention")
-        problems += fallbacks(out)
+        problems += read_fallbacks(out)  # not run as configured: the row fails
     row.note += "; ".join(problems)
     row.ok = not problems and not row.note
 
@@ -163,7 +157,7 @@ def row_default(work: Path) -> Row:
         problems.append("no samples")
     if "flex_attention called without torch.compile" in out or "Traceback" in out:
         problems.append("uncompiled FlexAttention or a traceback")
-    problems += fallbacks(out)
+    problems += read_fallbacks(out)
     row.note = "; ".join(problems)
     row.ok = not problems and row.evals >= 2
     return row

@@ -125,10 +125,14 @@ def test_auto_runs_unfused_where_the_library_fails_and_says_why(monkeypatch):
     cuda = torch.device("cuda", 0)
     cfg = ModelConfig(mlp="gelu", fused_gelu="auto")
     monkeypatch.setattr(fused_gelu, "_nvmath", lambda: False)
-    assert "nvmath-python is not installed" in fused_gelu.why_not(cuda)
+    assert "nvmath-python is not installed" in fused_gelu.why_not(cfg, cuda, torch.bfloat16)
+    fp8_blocks = ModelConfig(mlp="gelu", float8="tensorwise", fused_gelu="auto")
+    assert fused_gelu.why_not(fp8_blocks, cuda, torch.bfloat16) == ""  # not asked for there
     monkeypatch.setattr(fused_gelu, "_nvmath", lambda: True)
     monkeypatch.setattr(fused_gelu, "_checked", {})
     boom = RuntimeError("libcublasLt.so.13: cannot open shared object file")
     monkeypatch.setattr(fused_gelu, "_run", lambda *a, **k: (_ for _ in ()).throw(boom))
     assert not fused_gelu.used(cfg, cuda, torch.bfloat16)
-    assert "cuBLASLt through nvmath-python failed here" in fused_gelu.why_not(cuda)
+    assert "cuBLASLt through nvmath-python failed here" in fused_gelu.why_not(
+        cfg, cuda, torch.bfloat16
+    )

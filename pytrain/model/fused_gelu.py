@@ -66,23 +66,33 @@ def available(device: torch.device) -> bool:
     return device.type == "cuda" and _nvmath() and not _check(device)
 
 
-def why_not(device: torch.device) -> str:
-    """Why `auto` leaves the GELU unfused on this CUDA device ('' where it fuses)."""
+def _asked(cfg: ModelConfig) -> bool:
+    """GELU MLPs whose linear layers are plain (not torchao's FP8 ones), fused_gelu not off."""
+    return cfg.mlp == "gelu" and cfg.float8 == "off" and cfg.fused_gelu != "off"
+
+
+def used(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether training steps of a model with this config, on this device and in this
+    compute dtype, run its MLPs through `mlp` here: where it applies (_asked) and
+    model.fused_gelu is 'on', or 'auto' with nvmath-python on a GPU and bf16/fp16 (in fp32,
+    torch's TF32 matmuls are faster)."""
+    if not _asked(cfg):
+        return False
+    return cfg.fused_gelu == "on" or (available(device) and dtype != torch.float32)
+
+
+def why_not(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> str:
+    """Why `auto` leaves this model's GELU unfused on a GPU where it would otherwise fuse
+    (nvmath-python missing or failing); '' where it fuses or was not asked to."""
+    if not _asked(cfg) or cfg.fused_gelu != "auto" or device.type != "cuda":
+        return ""
+    if dtype == torch.float32:  # not a reason to install anything
+        return ""
     if not _nvmath():
         return "nvmath-python is not installed: `pip install '.[cublaslt]'`"
     if why := _check(device):
         return f"cuBLASLt through nvmath-python failed here ({why})"
     return ""
-
-
-def used(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether training steps of a model with this config, on this device and in this
-    compute dtype, run its MLPs through `mlp` here: GELU MLPs whose linear layers are plain
-    (not torchao's FP8 ones), where model.fused_gelu is 'on', or 'auto' with nvmath-python
-    on a GPU and bf16/fp16 (in fp32, torch's TF32 matmuls are faster)."""
-    if cfg.mlp != "gelu" or cfg.float8 != "off" or cfg.fused_gelu == "off":
-        return False
-    return cfg.fused_gelu == "on" or (available(device) and dtype != torch.float32)
 
 
 # One planned cuBLASLt matmul per (epilogue, operand shapes, strides, dtype, device): plans

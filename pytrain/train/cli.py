@@ -31,6 +31,12 @@ def read_start_line(out: str) -> dict[str, str] | None:
     return m.groupdict() if m else None
 
 
+def read_fallbacks(out: str) -> list[str]:
+    """The compile fallbacks a run's output reports (compile_policy's 'compile fallback'
+    lines, shortened): a run with any did not run as configured (e.g. CUDA graphs refused)."""
+    return [x.strip()[:160] for x in out.splitlines() if x.startswith("compile fallback")]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs training; a user error (a bad setting, a missing or damaged dataset, a
     checkpoint that does not fit) prints one line naming what is wrong and returns 2.
@@ -74,12 +80,8 @@ def _main(argv: list[str] | None) -> int:
 
         if hint := flash4.install_hint(trainer.device.index or 0):
             trainer.say(hint)
-    cfg_m = trainer.gpt.cfg
-    if trainer.device.type == "cuda" and cfg_m.mlp == "gelu" and cfg_m.fused_gelu == "auto":
-        from pytrain.model import fused_gelu
-
-        if why := fused_gelu.why_not(trainer.device):
-            trainer.say(f"model.fused_gelu auto: {why}; the MLP's GELU runs unfused")
+    if why := trainer.fused_gelu_missing:
+        trainer.say(f"model.fused_gelu auto: {why}; the MLP's GELU runs unfused")
     try:
         result = trainer.fit()
     except TrainingStopped as e:
