@@ -1,7 +1,8 @@
 """Run by tests/test_ddp.py under torchrun (2 processes, gloo): one accumulated step per
 rank (DDP, or FSDP2 with --distributed.fsdp); saves this rank's micro-batches and the
-all-reduced gradients."""
+all-reduced gradients; after close(), the names of the threads still running."""
 
+import os
 import sys
 
 import torch
@@ -39,3 +40,10 @@ torch.save(
     f"{out}/rank{t.dist.rank}.pt",
 )
 t.close()
+# Thread names (Linux): gloo's ('gloo_tcp_loop', 'pt_gloo_runloop') must be gone.
+names = sorted(
+    open(f"/proc/self/task/{x}/comm").read().strip() for x in os.listdir("/proc/self/task")
+)
+with open(f"{out}/threads-rank{t.dist.rank}.txt", "w") as f:
+    f.write("\n".join(names))
+distributed.exit_process(0)  # as `python -m pytrain.train` ends under torchrun

@@ -8,6 +8,7 @@ import sys
 import torch
 
 from pytrain.config import parse_args
+from pytrain.train import distributed
 from pytrain.train.trainer import Trainer
 
 out, tag = sys.argv[1], sys.argv[2]
@@ -30,3 +31,4 @@ torch.save(
     f"{out}/{tag}-rank{t.dist.rank}.pt",
 )
 t.close()
+distributed.exit_process(0)  # as `python -m pytrain.train` ends under torchrun

@@ -57,6 +57,13 @@ def test_two_process_gloo_matches_single_process(small_corpus, tmp_path, wrapper
     for g, p in zip(ranks[0]["grads"], single.gpt.parameters(), strict=True):
         torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-6)
     single.close()
+    if wrapper == "ddp":
+        # close() destroyed the process group and joined its threads (not left running
+        # into interpreter exit, where a rank once died of SIGABRT after its work was done).
+        # FSDP2's sharded parameters keep their mesh, and so the group, until exit.
+        for i in (0, 1):
+            threads = (tmp_path / f"threads-rank{i}.txt").read_text().split()
+            assert not [n for n in threads if "gloo" in n], (i, threads)
 
 
 def torchrun_train(small_corpus, tmp_path, name: str, port: int, *flags: str) -> str:

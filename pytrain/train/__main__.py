@@ -4,4 +4,9 @@ import sys
 
 from pytrain.train.cli import main
 
-sys.exit(main())
+code = main()
+from pytrain.train import distributed  # noqa: E402  (after main: torch loads behind its guards)
+
+if distributed.from_env().enabled:
+    distributed.exit_process(code)
+sys.exit(code)

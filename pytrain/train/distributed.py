@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+import atexit
+import faulthandler
 import os
+import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -30,14 +34,19 @@ class DistInfo:
         return self.rank == 0
 
 
-def init(device_pref: str) -> tuple[DistInfo, torch.device]:
-    """Reads torchrun's environment; NCCL on CUDA, gloo on CPU."""
-    info = DistInfo(
+def from_env() -> DistInfo:
+    """This process's place as torchrun's environment gives it."""
+    return DistInfo(
         int(os.environ.get("RANK", 0)),
         int(os.environ.get("WORLD_SIZE", 1)),
         int(os.environ.get("LOCAL_RANK", 0)),
         launched="TORCHELASTIC_RUN_ID" in os.environ and "MASTER_ADDR" in os.environ,
     )
+
+
+def init(device_pref: str) -> tuple[DistInfo, torch.device]:
+    """Reads torchrun's environment; NCCL on CUDA, gloo on CPU."""
+    info = from_env()
     if device_pref == "auto":
         device = torch.device(f"cuda:{info.local_rank}" if torch.cuda.is_available() else "cpu")
     elif device_pref == "cuda":
@@ -47,6 +56,15 @@ def init(device_pref: str) -> tuple[DistInfo, torch.device]:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if info.enabled and not dist.is_initialized():
+        # Python tracebacks of every thread if this rank dies of a signal (a SIGABRT from a
+        # collective library), so a failed rank says where it was; torchrun shows stderr.
+        faulthandler.enable(all_threads=True)
+        # DDP imports torch.distributed.nn.functional on first use; imported after the
+        # group exists, its functions' `group=group.WORLD` defaults hold the default group
+        # for the life of the process, and destroy_process_group() leaves its threads
+        # running into interpreter exit. Imported first, those defaults are None.
+        import torch.distributed.nn.functional as _  # noqa: F401
+
         dist.init_process_group(
             backend="nccl" if device.type == "cuda" else "gloo",
             device_id=device if device.type == "cuda" else None,
@@ -124,9 +142,38 @@ def barrier(info: DistInfo) -> None:
         dist.barrier()
 
 
-def shutdown(info: DistInfo) -> None:
-    if info.enabled and dist.is_initialized():
-        dist.destroy_process_group()
+def shutdown(info: DistInfo, model: torch.nn.Module | None = None) -> None:
+    """Ends the process group: every rank first reaches this point (no rank closes its
+    connections while another still runs a collective), then the group is destroyed and,
+    under DDP, released by the wrapper, so its threads (gloo's or NCCL's) are joined here
+    while the interpreter is whole rather than during its teardown. The wrapper cannot
+    train after this."""
+    if not (info.enabled and dist.is_initialized()):
+        return
+    dist.barrier()
+    dist.destroy_process_group()
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if isinstance(model, DDP):
+        # The reducer and its logger hold the group in C++ as long as they live.
+        for name in ("reducer", "logger", "process_group"):
+            if hasattr(model, name):
+                delattr(model, name)
+
+
+def exit_process(code: int) -> NoReturn:
+    """Ends a process that ran a process group, after its work is written and closed
+    (Trainer.close), without Python's interpreter teardown. Collective libraries leave C++
+    threads behind (FSDP2's sharded parameters keep their group alive; autograd's device
+    threads), and one that touches a Python object while the interpreter is finalizing is
+    ended by Python through a noexcept frame: "terminate called without an active
+    exception", SIGABRT, and torchrun reports a finished run as failed (seen on a gloo rank
+    in CI; pytorch/pytorch#190489). The atexit handlers still run first, while Python is
+    whole, and the standard streams are flushed."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def model_optim_state(model: torch.nn.Module, optimizer, sharded: bool) -> tuple[dict, dict]:

@@ -490,4 +490,4 @@ class Trainer:
         self.ckpt_writer.wait()
         self.feed.close()
         self.log.close()
-        distributed.shutdown(self.dist)
+        distributed.shutdown(self.dist, self.module)
