@@ -17,8 +17,6 @@ import torch
 
 from pytrain.config import COMPILE_LEVELS
 
-LEVELS = list(COMPILE_LEVELS)
-
 # Messages of failures that a lower compile level avoids.
 COMPILE_FAILURE_MARKERS = (
     "CUDAGraphs",
@@ -68,8 +66,10 @@ def decide(
     if not hasattr(torch, "compile"):
         return CompileDecision("eager", f"torch {torch.__version__} has no torch.compile")
     mode = "default" if requested == "auto" else requested
-    if mode not in LEVELS:
-        raise ValueError(f"compile mode {requested!r} is not one of auto, {', '.join(LEVELS)}")
+    if mode not in COMPILE_LEVELS:
+        raise ValueError(
+            f"compile mode {requested!r} is not one of auto, {', '.join(COMPILE_LEVELS)}"
+        )
     if not guard:
         return CompileDecision(mode, "guard off: no up-front avoidance, no run-time fallback")
     if mode == "reduce-overhead":
@@ -237,7 +237,7 @@ class CompiledModel:
     def load_state_dict(self, state: dict) -> None:
         """A resumed run keeps the fallbacks and never retries a level that failed."""
         self.fallbacks = list(state["fallbacks"])
-        if LEVELS.index(state["compile_mode"]) > LEVELS.index(self.mode):
+        if COMPILE_LEVELS.index(state["compile_mode"]) > COMPILE_LEVELS.index(self.mode):
             self.mode = state["compile_mode"]
             self.reason = (
                 "a previous run fell back to it after a failure (see fallbacks in the log)"
