@@ -81,7 +81,9 @@ def kill_and_resume(
 def same_final_params(a: Path, b: Path) -> bool:
     import torch
 
-    sa, sb = (torch.load(p, weights_only=False) for p in (a, b))
+    from pytrain.train import checkpoint
+
+    sa, sb = (checkpoint.read(p) for p in (a, b))
     return (
         all(torch.equal(sa["model"][k], sb["model"][k]) for k in sa["model"])
         and sa["loader"] == sb["loader"]

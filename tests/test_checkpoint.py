@@ -17,7 +17,7 @@ def test_the_file_holds_the_state_at_submit_time(tmp_path):
     w.add_(100)  # training goes on while the file is written
     state["nested"][0].zero_()
     writer.wait()
-    saved = torch.load(checkpoint.ckpt_path(tmp_path, 1), weights_only=False)
+    saved = checkpoint.read(checkpoint.ckpt_path(tmp_path, 1))
     assert torch.equal(saved["model"]["w"], torch.arange(6.0))
     assert torch.equal(saved["nested"][0], torch.ones(2)) and saved["nested"][1] == (3, "x")
     assert saved["step"] == 1 and writer.last is not None

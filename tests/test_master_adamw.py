@@ -11,6 +11,7 @@ import torch
 
 from pytrain.optim import adamw as optim
 from pytrain.optim.master_adamw import MasterAdamW
+from pytrain.train import checkpoint
 from pytrain.train.checkpoint import CheckpointMismatch
 from tests.test_trainer import small_cfg
 from tests.triton_interpreter import assert_passes_in_interpreter
@@ -172,9 +173,7 @@ def test_trainer_with_master_weights_resumes_exactly_and_saves_fp32_weights(smal
     got += second.fit()["losses"]
     second.close()
     assert got == want  # bit for bit
-    ckpt = torch.load(
-        sorted((tmp_path / "b" / "runs" / "t").glob("ckpt-*.pt"))[-1], weights_only=False
-    )
+    ckpt = checkpoint.read(sorted((tmp_path / "b" / "runs" / "t").glob("ckpt-*.pt"))[-1])
     weights = [v for k, v in ckpt["model"].items() if k.endswith("weight")]
     assert weights and all(v.dtype == torch.float32 for v in weights)
     # The optimizer state differs between the modes: resuming in the other one is refused.

@@ -13,6 +13,7 @@ import torch
 from pytrain.config import parse_args
 from pytrain.data import DeviceBatch
 from pytrain.optim.schedule import lr_at
+from pytrain.train import checkpoint
 from pytrain.train.checkpoint import CheckpointMismatch
 from pytrain.train.guard import StepGuard, TrainingStopped
 from pytrain.train.trainer import Trainer
@@ -164,9 +165,7 @@ def test_compile_failure_falls_back_and_reruns_the_same_step(small_corpus, tmp_p
     assert got["losses"] == want  # step 2 rerun in eager: same loss, no double update
     assert t.compiler.mode == "eager"
     assert len(got["fallbacks"]) == 1 and "step 2: default failed" in got["fallbacks"][0]
-    state = torch.load(
-        sorted((tmp_path / "fb" / "runs" / "t").glob("ckpt-*.pt"))[-1], weights_only=False
-    )
+    state = checkpoint.read(sorted((tmp_path / "fb" / "runs" / "t").glob("ckpt-*.pt"))[-1])
     assert state["compile_mode"] == "eager"
     t.close()
     # A resumed run does not retry the level that failed.

@@ -40,8 +40,12 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> Loaded:
             raise ConfigError(f"{path}: no checkpoint (ckpt-*.pt) and no exported model in it")
         state, p = found
     elif p.is_file():
+        from pytrain.train.checkpoint import UnsafeCheckpoint, read
+
         try:
-            state = torch.load(p, map_location="cpu", weights_only=False)
+            state = read(p)
+        except UnsafeCheckpoint:
+            raise
         except Exception as e:
             raise ConfigError(f"{path}: not a checkpoint ({type(e).__name__}: {e})") from None
     else:

@@ -6,12 +6,17 @@ Saving does not stop training (`AsyncWriter`): the state is copied at the step b
 device tensors into pinned host buffers by copies queued on the current stream (so they
 see exactly that step's values and the next step's kernels queue behind them), host
 tensors by clone, and a background thread waits for the copies and writes the file.
-One write is in flight at a time; the next save waits for it (its buffers are reused)."""
+One write is in flight at a time; the next save waits for it (its buffers are reused).
+
+Loading never runs code (`read`): torch's weights-only unpickler, which rebuilds tensors
+and plain values (dicts, lists, numbers, strings) and refuses every other global, so a
+checkpoint someone else made cannot call `open` or `os.system` on the way in."""
 
 from __future__ import annotations
 
 import copy
 import os
+import pickle
 import random
 import re
 import threading
@@ -23,6 +28,7 @@ import numpy as np
 import torch
 
 from pytrain.config import ConfigError, flag_value
+from pytrain.train import disk
 
 PATTERN = re.compile(r"^ckpt-(\d{8})\.pt$")
 
@@ -51,10 +57,52 @@ def ckpt_path(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / f"ckpt-{step:08d}.pt"
 
 
+class UnsafeCheckpoint(ConfigError):
+    """A file that would run code (or rebuild objects of other types) when unpickled."""
+
+
+# What checkpoints of earlier versions need beyond tensors and plain values: their numpy
+# RNG state was a pickled ndarray (uint32 key). Rebuilding an array runs no user code.
+# Current checkpoints store that key as a tensor and need none of these.
+_NUMPY_CORE = getattr(np, "_core", None) or np.core
+LEGACY_GLOBALS = [
+    _NUMPY_CORE.multiarray._reconstruct,
+    np.ndarray,
+    np.dtype,
+    type(np.dtype(np.uint32)),
+]
+
+
+def read(path: Path) -> dict:
+    """A checkpoint's contents, loaded with `weights_only=True` (tensors and plain values;
+    the numpy globals of LEGACY_GLOBALS for files of earlier versions). A file that needs
+    any other global is refused with one line naming the file and those globals; a
+    damaged file raises what torch raises."""
+    try:
+        with torch.serialization.safe_globals(LEGACY_GLOBALS):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        try:
+            unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        except Exception:  # not a zip at all: say what the unpickler said
+            unsafe = []
+        allowed = {f"{g.__module__}.{g.__qualname__}" for g in LEGACY_GLOBALS}
+        named = [g for g in unsafe if g not in allowed]
+        what = ", ".join(named) if named else str(e).splitlines()[0][:200]
+        raise UnsafeCheckpoint(
+            f"{path}: refused to load: it holds {what}, which unpickling would call; a "
+            "pytrain checkpoint holds tensors and plain values only (nothing was run)"
+        ) from None
+
+
 def rng_state() -> dict:
+    # numpy's state as a dict with its key as a tensor: loadable without numpy globals.
+    np_state = np.random.get_state(legacy=False)
+    np_state["state"] = dict(np_state["state"], key=torch.from_numpy(
+        np_state["state"]["key"].astype(np.int64)))  # fmt: skip
     state = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": np_state,
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -64,22 +112,51 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    np_state = state["numpy"]
+    if isinstance(np_state, dict):  # a tensor key (older checkpoints: numpy's tuple)
+        key = np_state["state"]["key"]
+        key = key.numpy() if isinstance(key, torch.Tensor) else np.asarray(key)
+        np_state = dict(np_state, state=dict(np_state["state"], key=key.astype(np.uint32)))
+    np.random.set_state(np_state)
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _open_for_write(path: Path):
+    """The file a checkpoint is written to (the tests' fault injection replaces it)."""
+    return open(path, "wb")
+
+
 def save(run_dir: Path, step: int, state: dict, keep: int) -> Path:
-    """Atomically writes `state` as ckpt-<step>.pt and prunes all but the newest `keep`."""
+    """Atomically writes `state` as ckpt-<step>.pt and prunes all but the newest `keep`.
+    A write that fails removes its partial file (the previous checkpoints are untouched);
+    one that failed for space raises disk.DiskFull saying how much was free and needed."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     final = ckpt_path(run_dir, step)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with _open_for_write(tmp) as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if disk.full_disk_error(e) is None:
+            raise
+        previous = list_checkpoints(run_dir)
+        kept = (
+            f"the previous checkpoint {previous[-1].name} is intact"
+            if previous
+            else "no earlier checkpoint"
+        )
+        raise disk.DiskFull(
+            f"checkpoint {final} not written: no space left in {run_dir} "
+            f"({disk.human(disk.free_bytes(run_dir))} free, about "
+            f"{disk.human(disk.state_bytes(state))} needed); {kept}; free some space "
+            "(or lower --keep_ckpts) and run the same command to resume"
+        ) from None
     os.replace(tmp, final)
     for stale in run_dir.glob(".ckpt-*.tmp-*"):  # writes a killed process left unfinished
         if not stale.name.endswith(f".tmp-{os.getpid()}"):
@@ -106,7 +183,9 @@ def load_latest(run_dir: Path) -> tuple[dict, Path] | None:
     """The newest checkpoint that loads, or None. Unreadable ones are skipped, loudly."""
     for path in reversed(list_checkpoints(run_dir)):
         try:
-            return torch.load(path, map_location="cpu", weights_only=False), path
+            return read(path), path
+        except UnsafeCheckpoint:
+            raise  # never skipped to an older one: someone put this file here
         except Exception as e:  # a truncated zip raises RuntimeError, EOFError, ...
             warnings.warn(
                 f"skipping unreadable checkpoint {path}: {type(e).__name__}: {e}", stacklevel=2

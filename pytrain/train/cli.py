@@ -37,18 +37,42 @@ def read_fallbacks(out: str) -> list[str]:
     return [x.strip()[:160] for x in out.splitlines() if x.startswith("compile fallback")]
 
 
+EXIT_OK = 0
+EXIT_USER_ERROR = 2
+"""A bad setting, a missing or damaged dataset, a checkpoint that does not fit or would
+run code, a run directory in use by another run."""
+EXIT_BAD_STEPS = 3
+"""Too many bad (NaN or spiking) steps in a row: the guard stopped training."""
+EXIT_DISK_FULL = 4
+"""A checkpoint could not be written for space (its partial file removed, the previous
+checkpoint intact)."""
+# Stopped by a signal after writing a checkpoint: 128 + the signal's number (SIGINT 130,
+# SIGTERM 143, SIGUSR1 138; pytrain.train.stopping). A second SIGINT: 130, no checkpoint.
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Runs training; a user error (a bad setting, a missing or damaged dataset, a
-    checkpoint that does not fit) prints one line naming what is wrong and returns 2.
-    Anything else is a bug or a system failure and keeps its traceback."""
+    """Runs training and returns one of the exit codes above. A user error prints one
+    line naming what is wrong, as does a full disk; anything else is a bug or a system
+    failure and keeps its traceback."""
     from pytrain._loader import LoaderError
     from pytrain.config import ConfigError
+    from pytrain.train.disk import DiskFull
 
     try:
         return _main(argv)
     except (ConfigError, LoaderError) as e:
         print(f"pytrain.train: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
+    except DiskFull as e:
+        print(f"pytrain.train: error: {e}", file=sys.stderr)
+        return EXIT_DISK_FULL
+    except KeyboardInterrupt:
+        print(
+            "pytrain.train: interrupted by SIGINT; the run directory keeps its newest "
+            "complete checkpoint (run the same command to resume from it)",
+            file=sys.stderr,
+        )
+        return 130
 
 
 def _main(argv: list[str] | None) -> int:
@@ -87,11 +111,21 @@ def _main(argv: list[str] | None) -> int:
     except TrainingStopped as e:
         trainer.say(f"training stopped: {e}")
         trainer.close()
-        return 3
+        return EXIT_BAD_STEPS
+    if signal := result["stopped_by"]:
+        from pytrain.train.checkpoint import ckpt_path
+        from pytrain.train.stopping import exit_code
+
+        trainer.say(
+            f"stopped at step {result['step']} by {signal}; checkpoint "
+            f"{ckpt_path(trainer.run_dir, result['step'])}; run the same command to resume"
+        )
+        trainer.close()
+        return exit_code(signal)
     if trainer.dist.is_main:
         final_report(trainer, result, time.perf_counter() - t0)
     trainer.close()
-    return 0
+    return EXIT_OK
 
 
 def use_default_dataset(cfg) -> None:

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from pytrain.config import COMPILE_LEVELS
+from pytrain.train import disk
 
 # Messages of failures that a lower compile level avoids.
 COMPILE_FAILURE_MARKERS = (
@@ -190,16 +192,22 @@ def save_cache_artifacts(path) -> bool:
         return False
     if not got:
         return False
-    from pathlib import Path
-
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_bytes(got[0])
+    p = Path(path)
+    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
+    try:  # atomic: a restart never loads half a file
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(got[0])
+        os.replace(tmp, p)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        full = " (disk full)" if disk.full_disk_error(e) else ""
+        print(f"warning: compile cache artifacts not saved to {p}{full}: {e.strerror or e}; "
+              f"{disk.human(disk.free_bytes(p.parent))} free there; the next start compiles from scratch")  # fmt: skip
+        return False
     return True
 
 
 def load_cache_artifacts(path) -> bool:
-    from pathlib import Path
-
     p = Path(path)
     if not p.exists():
         return False
@@ -207,6 +215,17 @@ def load_cache_artifacts(path) -> bool:
         return torch.compiler.load_cache_artifacts(p.read_bytes()) is not None
     except Exception:  # a stale or foreign cache only costs a normal compile
         return False
+
+
+def failure_line(e: BaseException) -> str:
+    """A compile failure in a few words for its fallback line; a full disk (Inductor's
+    cache, Triton's kernels) is said first and loudly: it is the cause, not the model, and
+    freeing space restores the compiled speed."""
+    first = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    if (full := disk.full_disk_error(e)) is None:
+        return first
+    where = full.filename or os.environ.get("TORCHINDUCTOR_CACHE_DIR", "the compile cache")
+    return f"DISK FULL writing {where}, {disk.human(disk.free_bytes(Path(where)))} free; {first}"
 
 
 class CompiledModel:
@@ -276,10 +295,7 @@ class CompiledModel:
         if not self._recoverable(e, self.mode):
             raise e
         old, self.mode = self.mode, next_level(self.mode)
-        first = str(e).splitlines()[0][:200] if str(e) else ""
-        note = (
-            f"step {step}: {old} failed ({type(e).__name__}: {first}); falling back to {self.mode}"
-        )
+        note = f"step {step}: {old} failed ({failure_line(e)}); falling back to {self.mode}"
         self.say(f"compile fallback: {note}")
         self.fallbacks.append(note)
         self.train_fn = compile_model(self.module, self.mode)
@@ -295,7 +311,7 @@ class CompiledModel:
                     raise
                 old, self.eval_mode = self.eval_mode, next_level(self.eval_mode)
                 self.say(
-                    f"compile fallback (evaluation): {old} failed ({type(e).__name__}); using {self.eval_mode}"
+                    f"compile fallback (evaluation): {old} failed ({failure_line(e)}); using {self.eval_mode}"
                 )
                 self.eval_fn = compile_model(self.eval_module, self.eval_mode)
 

@@ -100,3 +100,5 @@ class PendingStep:
     loss_tokens: int
     tokens: int
     fallbacks: list[str]
+    stop: bool = False
+    """Some rank was asked to stop (a signal) before this step: every rank stops after it."""

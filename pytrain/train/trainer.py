@@ -11,15 +11,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pytrain.config import DataConfig, TrainConfig, to_dict
+from pytrain.config import TrainConfig
 from pytrain.data.batch import DeviceBatch, DeviceFeed, HostBatch
 from pytrain.model import flash4, float8, fused_gelu
-from pytrain.model.config import ModelConfig
 from pytrain.model.gpt import GPT, LossModule, checkpoint_every
 from pytrain.optim.build import build_optimizer
 from pytrain.optim.schedule import lr_at
 from pytrain.optim.step import OptimizerStep
-from pytrain.train import checkpoint, compile_policy, distributed, sources
+from pytrain.train import (
+    checkpoint,
+    compile_policy,
+    disk,
+    distributed,
+    run_lock,
+    run_state,
+    sources,
+)
 from pytrain.train.evaluation import Evaluator
 from pytrain.train.guard import PendingStep, StepGuard, StepResult
 from pytrain.train.metrics import (
@@ -32,6 +39,7 @@ from pytrain.train.metrics import (
 )  # fmt: skip
 from pytrain.train.precision import choose_precision
 from pytrain.train.profiling import StepProfiler
+from pytrain.train.stopping import StopSignals
 
 
 class Trainer:
@@ -44,6 +52,15 @@ class Trainer:
         self.dist, self.device = distributed.init(cfg.device)
         self.say = log if self.dist.is_main else (lambda *a, **k: None)
         self.run_dir = Path(cfg.out_dir) / cfg.name
+        self.run_lock = run_lock.take(self.run_dir, self.dist, self.device)
+        try:  # a run that fails to start leaves its directory to the next one
+            self._build()
+        except BaseException:
+            self.run_lock.release()
+            raise
+
+    def _build(self) -> None:
+        cfg = self.cfg
         # The same seed on every rank until the model is built: FSDP2 keeps each rank's own
         # shard of its own initialisation (DDP broadcasts rank 0's), so the ranks must
         # initialise identically. Per-rank seeds come after the model.
@@ -58,7 +75,11 @@ class Trainer:
         self.compiler = self._compiler()
         self.step = self.tokens_seen = 0
         self.ckpt_writer = checkpoint.AsyncWriter()
-        self._resume()
+        self.stop = StopSignals()
+        run_state.resume(self)
+        per_ckpt = disk.checkpoint_estimate(self.gpt, self.optimizer, self.master)
+        if self.dist.is_main and (note := disk.space_note(self.run_dir, per_ckpt, cfg.keep_ckpts)):
+            self.say(note)
         self.attention = self.gpt.attention_backend(self.device, compiled=not self.compiler.eager)
         # Micro-batches on the device, with document segments only where the attention
         # reads them (FA4); the feed owns copies, prefetch and slot release.
@@ -156,101 +177,14 @@ class Trainer:
         np.random.seed(seed)
         torch.manual_seed(seed)
 
-    # ---- checkpoints ----------------------------------------------------------------------
-    def _state(self) -> dict:
-        per_rank = distributed.gather_objects({"rng": checkpoint.rng_state()}, self.dist)
-        model, optim = distributed.model_optim_state(self.gpt, self.optimizer, self.sharded)
-        if self.master:  # the fp32 weights, not their bf16 copies
-            model = self.opt_step.masters.master_state(self.gpt)
-        return {
-            "step": self.step,
-            "tokens_seen": self.tokens_seen,
-            "model": model,
-            "optimizer": optim,
-            "scaler": self.precision.scaler.state_dict() if self.precision.scaler else None,
-            "guard": self.guard.state_dict(),
-            **self.compiler.state_dict(),
-            # One loader state for the run: at a step boundary it is the same on every
-            # rank and does not depend on the world size.
-            "loader": self.feed.state_dict(),
-            "ranks": per_rank,
-            "world_size": self.dist.world_size,
-            "config": to_dict(self.cfg),
-        }
-
+    # ---- checkpoints (pytrain.train.run_state) ----------------------------------------
     def save_checkpoint(self) -> None:
-        """Saves this step's state: in the background (ckpt_async; the step loop goes on
-        once the snapshot's copies are queued), or written here before returning."""
-        t0 = time.perf_counter()
-        state = self._state()
-        if self.dist.is_main:
-            path = checkpoint.ckpt_path(self.run_dir, self.step)
-            if self.cfg.ckpt_async:
-                self.ckpt_writer.submit(self.run_dir, self.step, state, self.cfg.keep_ckpts)
-            else:
-                checkpoint.save(self.run_dir, self.step, state, self.cfg.keep_ckpts)
-            how = "written in the background" if self.cfg.ckpt_async else "written"
-            self.log.text(
-                f"checkpoint {path} ({how}; the loop waited {time.perf_counter() - t0:.3f}s)"
-            )
-        if not self.cfg.ckpt_async:
-            distributed.barrier(self.dist)
+        run_state.save(self)
 
     def finish_checkpoints(self) -> None:
         """Waits for a checkpoint being written (and raises its error, if any)."""
         self.ckpt_writer.wait()
         distributed.barrier(self.dist)
-
-    def _resume(self) -> None:
-        if not self.cfg.resume:
-            return
-        found = checkpoint.load_latest(self.run_dir)
-        if found is None:
-            return
-        state, path = found
-        saved = state["config"]
-        on_off = {True: "on", False: "off"}
-        # The optimizer state belongs to its optimizer (MasterAdamW keeps flat fp32 state).
-        checkpoint.refuse_changed(
-            path,
-            "optim",
-            {"name": saved["optim"].get("name", "adamw"),
-             "master_weights": on_off["exp_avg_sq" in state["optimizer"]]},
-            {"name": self.cfg.optim.name, "master_weights": on_off[self.master]},
-            "its optimizer state belongs to that optimizer",
-        )  # fmt: skip
-        # Named here, before load_state_dict's list of tensor shapes (or a model with the
-        # same shapes computing another function, for n_head or rope_base).
-        checkpoint.refuse_changed(path, "model", ModelConfig.from_saved(saved["model"]).architecture(),
-                                  self.cfg.model.architecture(), "its weights belong to that model")  # fmt: skip
-        # Named here, before the Rust loader's check refuses the state with no names.
-        checkpoint.refuse_changed(path, "data", DataConfig.from_saved(saved["data"]).batch_settings(),
-                                  self.cfg.data.batch_settings(),
-                                  "its loader position belongs to those batches")  # fmt: skip
-        distributed.load_model_optim_state(
-            self.gpt, self.optimizer, state["model"], state["optimizer"], self.sharded
-        )
-        if self.master:
-            self.opt_step.masters.load_masters(self.gpt, state["model"])
-        if self.precision.scaler and state["scaler"]:
-            self.precision.scaler.load_state_dict(state["scaler"])
-        self.guard.load_state_dict(state["guard"])
-        self.step, self.tokens_seen = state["step"], state["tokens_seen"]
-        self.compiler.load_state_dict(state)
-        ranks, world = state["ranks"], self.dist.world_size
-        same_world = len(ranks) == world
-        # Checkpoints before the global order kept one loader state per rank.
-        loader = state.get("loader") or ranks[self.dist.rank if same_world else 0]["loader"]
-        self.loader.load_state_dict(loader)  # before the feed exists: nothing ahead
-        if same_world:
-            checkpoint.set_rng_state(ranks[self.dist.rank]["rng"])
-        else:  # dropout streams of a new layout: seeded, not restored
-            self._seed(self.cfg.seed + self.dist.rank + 1_000_003 * self.step)
-            self.say(
-                f"resuming a run saved on {len(ranks)} rank(s) on {world}: the loader continues "
-                "its global order, each document once"
-            )
-        self.say(f"resumed from {path} at step {self.step}")
 
     # ---- one optimizer step ---------------------------------------------------------------
     def _prefetch_next(self) -> None:
@@ -314,7 +248,11 @@ class Trainer:
         local_tokens = sum(
             b.loss_tokens if b.loss_tokens >= 0 else int(b.loss_mask.sum()) for b in batches
         )
-        denom = max(distributed.all_sum(local_tokens, self.dist, self.device), 1.0)
+        # One sum for the loss tokens and the ranks asked to stop (pytrain.train.stopping).
+        tokens_all, *votes = distributed.all_sums(
+            [local_tokens, *self.stop.vote()], self.dist, self.device
+        )
+        denom = max(tokens_all, 1.0)
         loss_sum, fallbacks = self._backward_with_fallback(batches, denom, prefetch)
         loss = distributed.all_sum_tensor(loss_sum, self.dist) / denom
         self.opt_step.set_lr(lr_at(self.step, self.cfg.optim, self.cfg.max_steps))
@@ -329,7 +267,9 @@ class Trainer:
             values = host.copy_(values, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
-        return PendingStep(values, ready, int(denom), tokens, fallbacks)
+        return PendingStep(
+            values, ready, int(denom), tokens, fallbacks, stop=self.stop.agreed(*votes)
+        )
 
     def settle(self, p: PendingStep) -> StepResult:
         """Reads a queued step's values (one transfer) and does the guard's bookkeeping;
@@ -404,6 +344,8 @@ class Trainer:
         t_start = time.perf_counter()
         cpu_start = loader_cpu_seconds()
         first_step = self.step
+        self.stopped_by: str | None = None
+        self.stop.install()
         self.warm_up()
         # No device sync inside a step: step k is queued, then step k-1's values are read
         # (the device finished them while step k was being queued) and logged. Step time
@@ -457,6 +399,9 @@ class Trainer:
             if time_up:
                 self.say(f"time limit of {cfg.time_limit_s:.0f}s reached at step {self.step}")
                 break
+            if p.stop:  # every rank stops after this step (its checkpoint follows)
+                self.stopped_by = self.stop.received
+                break
         settle_pending()
         self.steplog.close_bar()
         cpu_end = loader_cpu_seconds()
@@ -465,7 +410,7 @@ class Trainer:
             self.log.text(
                 f"loader threads CPU: {cpu_end - cpu_start:.2f}s over {wall:.2f}s of training = {(cpu_end - cpu_start) / wall:.3f} cores"
             )
-        if not (cfg.eval_every and self.step % cfg.eval_every == 0):
+        if not self.stopped_by and not (cfg.eval_every and self.step % cfg.eval_every == 0):
             val = self.evaluate()
             self.steplog.eval(self.step, val)
         if not (cfg.ckpt_every and self.step % cfg.ckpt_every == 0):
@@ -484,10 +429,13 @@ class Trainer:
             "fallbacks": self.compiler.fallbacks,
             "skipped": self.guard.skipped,
             "graphs": graphs,
+            "stopped_by": self.stopped_by,
         }
 
     def close(self) -> None:
+        self.stop.restore()
         self.ckpt_writer.wait()
         self.feed.close()
         self.log.close()
         distributed.shutdown(self.dist, self.module)
+        self.run_lock.release()

@@ -1,0 +1,113 @@
+"""A run's state in its checkpoints: what a checkpoint of the trainer holds (`collect`),
+writing it (`save`, synchronously or in the background), and continuing a run from the
+newest one (`resume`), refusing with one line a checkpoint this run cannot continue."""
+
+from __future__ import annotations
+
+import time
+
+from pytrain.config import DataConfig, to_dict
+from pytrain.model.config import ModelConfig
+from pytrain.train import checkpoint, disk, distributed
+
+
+def collect(t) -> dict:
+    """The state of Trainer `t` at a step boundary (every rank calls this: it gathers)."""
+    per_rank = distributed.gather_objects({"rng": checkpoint.rng_state()}, t.dist)
+    model, optim = distributed.model_optim_state(t.gpt, t.optimizer, t.sharded)
+    if t.master:  # the fp32 weights, not their bf16 copies
+        model = t.opt_step.masters.master_state(t.gpt)
+    return {
+        "step": t.step,
+        "tokens_seen": t.tokens_seen,
+        "model": model,
+        "optimizer": optim,
+        "scaler": t.precision.scaler.state_dict() if t.precision.scaler else None,
+        "guard": t.guard.state_dict(),
+        **t.compiler.state_dict(),
+        # One loader state for the run: at a step boundary it is the same on every
+        # rank and does not depend on the world size.
+        "loader": t.feed.state_dict(),
+        "ranks": per_rank,
+        "world_size": t.dist.world_size,
+        "config": to_dict(t.cfg),
+    }
+
+
+def save(t) -> None:
+    """Saves Trainer `t`'s state at this step: in the background (ckpt_async; the loop goes
+    on once the snapshot's copies are queued), or written here before returning. A
+    synchronous write that fails for space raises disk.DiskFull on every rank."""
+    t0 = time.perf_counter()
+    state = collect(t)
+    full: disk.DiskFull | None = None
+    if t.dist.is_main:
+        path = checkpoint.ckpt_path(t.run_dir, t.step)
+        if t.cfg.ckpt_async:
+            t.ckpt_writer.submit(t.run_dir, t.step, state, t.cfg.keep_ckpts)
+        else:
+            try:
+                checkpoint.save(t.run_dir, t.step, state, t.cfg.keep_ckpts)
+            except disk.DiskFull as e:
+                full = e
+        if full is None:
+            how = "written in the background" if t.cfg.ckpt_async else "written"
+            t.log.text(
+                f"checkpoint {path} ({how}; the loop waited {time.perf_counter() - t0:.3f}s)"
+            )
+    if not t.cfg.ckpt_async:  # the ranks learn together whether it was written
+        if distributed.all_sum(1 if full else 0, t.dist, t.device) > 0:
+            raise full or disk.DiskFull("rank 0 could not write the checkpoint (it says why)")
+
+
+def resume(t) -> None:
+    """Continues Trainer `t` from its run directory's newest checkpoint, if any."""
+    if not t.cfg.resume:
+        return
+    found = checkpoint.load_latest(t.run_dir)
+    if found is None:
+        return
+    state, path = found
+    saved = state["config"]
+    on_off = {True: "on", False: "off"}
+    # The optimizer state belongs to its optimizer (MasterAdamW keeps flat fp32 state).
+    checkpoint.refuse_changed(
+        path,
+        "optim",
+        {"name": saved["optim"].get("name", "adamw"),
+         "master_weights": on_off["exp_avg_sq" in state["optimizer"]]},
+        {"name": t.cfg.optim.name, "master_weights": on_off[t.master]},
+        "its optimizer state belongs to that optimizer",
+    )  # fmt: skip
+    # Named here, before load_state_dict's list of tensor shapes (or a model with the
+    # same shapes computing another function, for n_head or rope_base).
+    checkpoint.refuse_changed(path, "model", ModelConfig.from_saved(saved["model"]).architecture(),
+                              t.cfg.model.architecture(), "its weights belong to that model")  # fmt: skip
+    # Named here, before the Rust loader's check refuses the state with no names.
+    checkpoint.refuse_changed(path, "data", DataConfig.from_saved(saved["data"]).batch_settings(),
+                              t.cfg.data.batch_settings(),
+                              "its loader position belongs to those batches")  # fmt: skip
+    distributed.load_model_optim_state(
+        t.gpt, t.optimizer, state["model"], state["optimizer"], t.sharded
+    )
+    if t.master:
+        t.opt_step.masters.load_masters(t.gpt, state["model"])
+    if t.precision.scaler and state["scaler"]:
+        t.precision.scaler.load_state_dict(state["scaler"])
+    t.guard.load_state_dict(state["guard"])
+    t.step, t.tokens_seen = state["step"], state["tokens_seen"]
+    t.compiler.load_state_dict(state)
+    ranks, world = state["ranks"], t.dist.world_size
+    same_world = len(ranks) == world
+    # Checkpoints before the global order kept one loader state per rank.
+    loader = state.get("loader") or ranks[t.dist.rank if same_world else 0]["loader"]
+    t.loader.load_state_dict(loader)  # before the feed exists: nothing ahead
+    if same_world:
+        checkpoint.set_rng_state(ranks[t.dist.rank]["rng"])
+    else:  # dropout streams of a new layout: seeded, not restored
+        t._seed(t.cfg.seed + t.dist.rank + 1_000_003 * t.step)
+        t.say(
+            f"resuming a run saved on {len(ranks)} rank(s) on {world}: the loader continues "
+            "its global order, each document once"
+        )
+    t.say(f"resumed from {path} at step {t.step}")

@@ -1,0 +1,366 @@
+"""What a careful user expects of a run, tried as that user would, through the commands:
+a checkpoint someone else made never runs code when loaded; SIGINT, SIGTERM and SIGUSR1
+stop a run at a checkpoint it resumes from exactly (one process, and two under torchrun);
+one run per run directory; a full disk ends a run in one line with the previous
+checkpoint intact."""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_ddp import cfg_args
+
+from pytrain.train import checkpoint, disk
+from pytrain.train.run_lock import RunDirInUse, RunLock
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+_ports = iter(range(29700 + os.getpid() % 50 * 4, 29900))  # a fresh port per torchrun
+
+
+def train_cmd(small_corpus, tmp_path, name: str, *flags: str, torchrun: int = 0) -> list[str]:
+    launch = [sys.executable, "-m", "pytrain.train"]
+    if torchrun:
+        launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={torchrun}",
+                  f"--master_port={next(_ports)}", "-m", "pytrain.train"]  # fmt: skip
+    return [*launch, *cfg_args(small_corpus, tmp_path), "--name", name, "--log_every", "1",
+            "--eval_every", "0", "--samples", "0", "--optim.warmup_steps", "2",
+            "--deterministic", *flags]  # fmt: skip
+
+
+def step_losses(run_dir: Path) -> dict[int, str]:
+    text = (run_dir / "train.log").read_text()
+    return {int(s): loss for s, loss in re.findall(r"step (\d+) loss (\S+)", text)}
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, limit: float = 240) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit:
+        assert proc.poll() is None, proc.communicate()
+        log = run_dir / "train.log"
+        if log.exists() and max(step_losses(run_dir), default=0) >= step:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no step {step} in {limit}s")
+
+
+def one_line_error(stderr: str) -> str:
+    lines = [x for x in stderr.strip().splitlines() if x.strip()]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    return lines[-1]
+
+
+# ---- 1. a checkpoint never runs code ----------------------------------------------------
+
+
+class _Planted:
+    """What a malicious checkpoint holds: unpickling it calls open(path, "w")."""
+
+    def __init__(self, path: Path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@pytest.mark.slow
+def test_a_malicious_checkpoint_runs_nothing_in_sample_eval_export_or_resume(
+    small_corpus, tmp_path
+):
+    run = tmp_path / "runs" / "evil"
+    run.mkdir(parents=True)
+    marker = tmp_path / "PWNED"
+    torch.save({"model": _Planted(marker), "config": {}}, run / "ckpt-00000005.pt")
+    ckpt = str(run / "ckpt-00000005.pt")
+    commands = {
+        "sample": [sys.executable, "-m", "pytrain.sample", ckpt, "--device", "cpu"],
+        "eval": [sys.executable, "-m", "pytrain.eval", str(run), "--device", "cpu"],
+        "export": [sys.executable, "-m", "pytrain.export", str(run), str(tmp_path / "hf")],
+        "resume": train_cmd(small_corpus, tmp_path, "evil", "--max_steps", "8"),
+    }
+    for what, cmd in commands.items():
+        r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
+        assert r.returncode != 0, (what, r.stdout[-2000:])
+        assert not marker.exists(), f"{what} ran the checkpoint's code"
+        line = one_line_error(r.stderr)
+        assert "ckpt-00000005.pt" in line and "refused to load" in line, (what, line)
+        assert "open" in line, (what, line)  # what it contained
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_checkpoint_of_the_previous_version_still_loads(tmp_path):
+    """Earlier checkpoints held numpy's RNG state as a pickled ndarray."""
+    np.random.seed(7)
+    legacy = {"numpy": np.random.get_state(), "python": (3, tuple(range(625)), None)}
+    torch.save({"ranks": [{"rng": legacy}], "w": torch.ones(3)}, tmp_path / "ckpt-00000001.pt")
+    state, _ = checkpoint.load_latest(tmp_path)
+    expected = np.random.rand(3)
+    np.random.seed(0)
+    np.random.set_state(state["ranks"][0]["rng"]["numpy"])
+    assert np.array_equal(np.random.rand(3), expected)
+    # The current format needs no numpy global: it loads with nothing allowed.
+    torch.save({"rng": checkpoint.rng_state()}, tmp_path / "new.pt")
+    got = torch.load(tmp_path / "new.pt", weights_only=True)
+    drawn = np.random.rand(4)
+    checkpoint.set_rng_state(got["rng"])
+    assert np.array_equal(np.random.rand(4), drawn)
+
+
+# ---- 2. a signal stops a run at a checkpoint ---------------------------------------------
+
+
+def _stop_and_resume(
+    small_corpus, tmp_path, sig: signal.Signals, torchrun: int = 0, to_one_rank=False
+):
+    """Trains, sends `sig` mid-run, and checks: the one-line stop, the exit code, a
+    checkpoint at the stop step, and a resumed run whose losses equal an uninterrupted
+    run's at every later step (the loader continues exactly)."""
+    steps = 400
+    name = f"stop-{sig.name}-{torchrun}"
+    run = tmp_path / "runs" / name
+    cmd = train_cmd(small_corpus, tmp_path, name, "--max_steps", str(steps), "--ckpt_every", "1000",
+                    torchrun=torchrun)  # fmt: skip
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    wait_for_step(run, 6, p)
+    if to_one_rank:  # one worker of torchrun's, as a node-local signal would be
+        workers = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True)
+        os.kill(int(workers.stdout.split()[-1]), sig)
+    else:
+        p.send_signal(sig)
+    out, err = p.communicate(timeout=120)
+    # No traceback through our code (torchrun's agent prints its own SignalException).
+    assert ("Traceback" if not torchrun else f'File "{ROOT / "pytrain"}') not in err, err[-3000:]
+    m = re.search(r"stopped at step (\d+) by (\S+); checkpoint (\S+); run the same command", out)
+    assert m, out[-2000:] + err[-2000:]
+    stop = int(m.group(1))
+    assert 6 <= stop < steps
+    if torchrun:
+        assert p.returncode != 0  # torchrun reports its workers' non-zero exit
+    else:
+        assert p.returncode == 128 + sig, p.returncode
+        assert m.group(2) == sig.name
+    assert [c.name for c in checkpoint.list_checkpoints(run)] == [f"ckpt-{stop:08d}.pt"]
+    saved = checkpoint.read(run / f"ckpt-{stop:08d}.pt")
+    assert saved["step"] == stop and saved["world_size"] == max(torchrun, 1)
+
+    end = stop + 4
+    # Both legs and the reference keep max_steps (the LR schedule) and halt after `end`.
+    r = subprocess.run([*cmd, "--halt_after", "4"], capture_output=True, text=True, env=ENV,
+                       timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert f"at step {stop}" in r.stdout + r.stderr
+    whole = tmp_path / "runs" / f"{name}-whole"
+    r = subprocess.run(
+        train_cmd(small_corpus, tmp_path, whole.name, "--max_steps", str(steps),
+                  "--halt_after", str(end), torchrun=torchrun),
+        capture_output=True, text=True, env=ENV, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    resumed, reference = step_losses(run), step_losses(whole)
+    for step in range(stop + 1, end + 1):
+        assert resumed[step] == reference[step], (step, resumed[step], reference[step])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_stops_one_process_at_a_checkpoint_it_resumes_from(small_corpus, tmp_path, sig):
+    _stop_and_resume(small_corpus, tmp_path, sig)
+
+
+@pytest.mark.slow
+def test_sigterm_to_torchrun_stops_both_ranks_at_one_checkpoint(small_corpus, tmp_path):
+    _stop_and_resume(small_corpus, tmp_path, signal.SIGTERM, torchrun=2)
+
+
+@pytest.mark.slow
+def test_sigusr1_to_one_rank_stops_every_rank_at_the_same_step(small_corpus, tmp_path):
+    """Slurm's early warning may reach one process: the ranks agree through a sum."""
+    _stop_and_resume(small_corpus, tmp_path, signal.SIGUSR1, torchrun=2, to_one_rank=True)
+
+
+@pytest.mark.slow
+def test_a_second_sigint_ends_at_once(small_corpus, tmp_path):
+    run = tmp_path / "runs" / "twice"
+    # A model whose steps take long enough on a CPU for the second signal to land in one.
+    cmd = train_cmd(small_corpus, tmp_path, "twice", "--model.d_model", "768", "--model.n_layer",
+                    "6", "--max_steps", "100000", "--ckpt_every", "5")  # fmt: skip
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    wait_for_step(run, 6, p)
+    p.send_signal(signal.SIGINT)
+    assert p.stderr is not None
+    while "SIGINT received" not in p.stderr.readline():  # the first one was handled
+        pass
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130, (out[-1000:], err[-2000:])
+    assert "interrupted by SIGINT" in one_line_error(err)
+    newest = checkpoint.list_checkpoints(run)[-1]
+    assert checkpoint.read(newest)["step"] >= 5
+    assert "stopped at step" not in out  # it did not wait to write another
+
+
+# ---- 3. one run per run directory ---------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_second_run_on_a_busy_run_directory_exits_and_a_killed_run_leaves_no_lock(
+    small_corpus, tmp_path
+):
+    run = tmp_path / "runs" / "busy"
+    cmd = train_cmd(small_corpus, tmp_path, "busy", "--max_steps", "100000", "--ckpt_every", "3")
+    first = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV
+    )
+    try:
+        wait_for_step(run, 4, first)
+        r = subprocess.run([*cmd[:-4], "--max_steps", "5"], capture_output=True, text=True,
+                           env=ENV, timeout=120)  # fmt: skip
+        assert r.returncode == 2
+        line = one_line_error(r.stderr)
+        assert f"run directory {run} is in use by pid {first.pid}" in line, line
+        before = step_losses(run)
+        assert "resumed" not in r.stdout
+    finally:
+        first.kill()  # SIGKILL: no handler runs, the kernel drops the lock
+        first.communicate()
+    assert max(step_losses(run)) >= max(before)  # the second run wrote nothing there
+    newest = checkpoint.read(checkpoint.list_checkpoints(run)[-1])["step"]
+    r = subprocess.run([*cmd[:-4], "--max_steps", str(newest + 2)], capture_output=True,
+                       text=True, env=ENV, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"at step {newest}" in r.stdout
+
+
+def test_the_run_lock_names_its_holder_and_is_free_after_release(tmp_path):
+    a = RunLock(tmp_path)
+    a.acquire()
+    # Another process trying the same directory.
+    code = (
+        "import sys; from pytrain.train.run_lock import RunLock, RunDirInUse\n"
+        f"try:\n    RunLock({str(tmp_path)!r}).acquire()\nexcept RunDirInUse as e:\n"
+        "    print(e); sys.exit(7)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV)
+    assert r.returncode == 7 and f"pid {os.getpid()}" in r.stdout, r.stdout + r.stderr
+    with pytest.raises(RunDirInUse):  # a second lock in this process conflicts too
+        RunLock(tmp_path).acquire()
+    a.release()
+    b = RunLock(tmp_path)
+    b.acquire()
+    b.release()
+
+
+# ---- 4. a full disk -------------------------------------------------------------------------
+
+
+class _FullAfter:
+    """A file whose writes fail with ENOSPC after `budget` bytes, as a full disk's do."""
+
+    def __init__(self, path: Path, budget: int):
+        self.f, self.left = open(path, "wb"), budget
+
+    def write(self, b) -> int:
+        self.left -= len(b)
+        if self.left < 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return self.f.write(b)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+@pytest.mark.parametrize("writer", ["sync", "async"])
+def test_a_checkpoint_write_that_runs_out_of_space(tmp_path, monkeypatch, writer):
+    state = {"model": {"w": torch.randn(64, 64)}, "step": 1}
+    checkpoint.save(tmp_path, 1, state, keep=3)
+    monkeypatch.setattr(checkpoint, "_open_for_write", lambda p: _FullAfter(p, 4096))
+    state2 = {"model": {"w": torch.randn(64, 64)}, "step": 2}
+    with pytest.raises(disk.DiskFull) as e:
+        if writer == "sync":
+            checkpoint.save(tmp_path, 2, state2, keep=3)
+        else:
+            w = checkpoint.AsyncWriter()
+            w.submit(tmp_path, 2, state2, keep=3)
+            w.wait()
+    msg = str(e.value)
+    assert "\n" not in msg and "ckpt-00000002.pt not written" in msg
+    assert "ckpt-00000001.pt is intact" in msg and "free" in msg and "needed" in msg
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000001.pt"]  # no partial
+    assert torch.equal(checkpoint.load_latest(tmp_path)[0]["model"]["w"], state["model"]["w"])
+
+
+_FAIL_SECOND_CHECKPOINT = """
+import errno, os, sys
+sys.path.insert(0, {tests!r})
+from test_run_safety import _FullAfter
+from pytrain.train import checkpoint
+opened = []
+def full_from_second(path):
+    opened.append(path)
+    return _FullAfter(path, 1 << 40 if len(opened) == 1 else 10_000)
+checkpoint._open_for_write = full_from_second
+from pytrain.train.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("writer", ["sync", "async"])
+def test_a_run_whose_disk_fills_ends_in_one_line_with_its_last_checkpoint(
+    small_corpus, tmp_path, writer
+):
+    name = f"full-{writer}"
+    flags = ["--max_steps", "12", "--ckpt_every", "4", "--keep_ckpts", "2"]
+    flags += ["--ckpt_async"] if writer == "async" else ["--no-ckpt_async"]
+    cmd = train_cmd(small_corpus, tmp_path, name, *flags)[3:]
+    code = _FAIL_SECOND_CHECKPOINT.format(tests=str(ROOT / "tests"))
+    r = subprocess.run([sys.executable, "-c", code, *cmd], capture_output=True, text=True,
+                       env=ENV, timeout=300)  # fmt: skip
+    assert r.returncode == 4, r.stdout[-2000:] + r.stderr[-3000:]
+    line = one_line_error(r.stderr)
+    assert "no space left" in line and "ckpt-00000004.pt is intact" in line, line
+    run = tmp_path / "runs" / name
+    assert sorted(p.name for p in run.glob("*ckpt*")) == ["ckpt-00000004.pt"]
+    assert checkpoint.read(run / "ckpt-00000004.pt")["step"] == 4
+
+
+def test_the_start_says_when_the_checkpoints_will_not_fit(tmp_path):
+    free = disk.free_bytes(tmp_path)
+    assert disk.space_note(tmp_path, per_checkpoint=1000, keep=3) is None
+    note = disk.space_note(tmp_path, per_checkpoint=free, keep=3)
+    assert note and str(tmp_path) in note and "free" in note and "--keep_ckpts" in note
+    model = torch.nn.Linear(100, 100)
+    opt = torch.optim.AdamW(model.parameters())
+    params = 100 * 100 + 100
+    assert disk.checkpoint_estimate(model, opt, fp32_weights=False) == params * 4 * 3
+
+
+def test_a_full_disk_is_named_in_a_compile_fallback_line(tmp_path):
+    from pytrain.train.compile_policy import failure_line
+
+    try:  # a write that fails for space, wrapped as a compiler wraps it
+        try:
+            with _FullAfter(tmp_path / "x", 10) as f:
+                torch.save({"w": torch.zeros(1000)}, f)
+        except Exception as inner:
+            raise RuntimeError("backend='inductor' raised: a write failed") from inner
+    except RuntimeError as e:
+        line = failure_line(e)
+    assert line.startswith("DISK FULL") and "free" in line, line
+    assert failure_line(RuntimeError("other")) == "RuntimeError: other"
