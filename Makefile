@@ -64,6 +64,7 @@ lint: setup ## cargo fmt --check, clippy -D warnings, ruff, mypy, stubtest of th
 	$(VENV)/bin/ruff format --check pytrain tests scripts
 	$(PY) -m mypy
 	$(PY) -m mypy.stubtest pytrain._loader
+	$(PY) -m pytest -q tests/test_structure.py  # import cycles, trainer size, machine paths
 
 fmt: setup ## format Rust and Python
 	cargo fmt

@@ -9,6 +9,7 @@ from pytrain.config import LoaderConfig
 __all__ = [
     "FORMAT_VERSION", "LoaderError", "CorruptShardError", "ManifestError", "StateError",
     "ShardWriter", "Encoder", "Dataset", "Loader", "ReadyBatch", "write_synthetic",
+    "write_manifest",
 ]  # fmt: skip
 
 FORMAT_VERSION: int
@@ -117,6 +118,9 @@ class Loader:
     def stats(self) -> dict[str, Any]: ...
     @property
     def blocks_per_epoch(self) -> list[int]: ...
+
+def write_manifest(path: str, fields: str) -> None:
+    """Writes manifest.json (the format's one writer: format, version, totals set there)."""
 
 def write_synthetic(
     path: str,

@@ -10,7 +10,7 @@ use crate::shard_reader::ShardReader;
 pub const MANIFEST: &str = "manifest.json";
 pub const FORMAT_NAME: &str = "pytrain-token-shards";
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, serde::Serialize)]
 pub struct ManifestShard {
     pub file: String,
     pub documents: u64,
@@ -40,6 +40,43 @@ pub struct Manifest {
     pub shards: Vec<ManifestShard>,
     #[serde(default)]
     pub tokenizer: ManifestTokenizer,
+}
+
+/// Writes `manifest.json` into `dir`, the one writer of the format (pack-shards' Python
+/// side and the synthetic writer both call it). `fields` holds what the caller knows (dtype,
+/// tokenizer, shards, args, and anything else such as `bad_input`); the format name and
+/// version and the totals are set here, the sums of the shards' entries (a caller's `totals`
+/// may add counts the shards cannot tell, such as `input_bytes` or `skipped_empty`).
+/// The file is synced before this returns. Keys are written sorted.
+pub fn write_manifest(dir: &Path, fields: serde_json::Value) -> Result<()> {
+    let serde_json::Value::Object(mut m) = fields else {
+        return Err(Error::InvalidArgument("a manifest is a JSON object".into()));
+    };
+    let shards: Vec<ManifestShard> =
+        serde_json::from_value(m.get("shards").cloned().unwrap_or(serde_json::Value::Null))
+            .map_err(|e| Error::InvalidArgument(format!("manifest shards: {e}")))?;
+    let mut totals = match m.remove("totals") {
+        Some(serde_json::Value::Object(t)) => t,
+        _ => serde_json::Map::new(),
+    };
+    let sum = |f: fn(&ManifestShard) -> u64| shards.iter().map(f).sum::<u64>();
+    totals.insert("documents".into(), sum(|s| s.documents).into());
+    totals.insert("tokens".into(), sum(|s| s.tokens).into());
+    totals.insert("frames".into(), sum(|s| s.frames).into());
+    totals.insert("bytes".into(), sum(|s| s.bytes).into());
+    m.insert("totals".into(), totals.into());
+    m.insert("format".into(), FORMAT_NAME.into());
+    m.insert("format_version".into(), crate::format::VERSION.into());
+    let path = dir.join(MANIFEST);
+    let mut text = serde_json::to_vec_pretty(&serde_json::Value::Object(m))
+        .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+    text.push(b'\n');
+    let write = || -> std::io::Result<()> {
+        let mut f = std::fs::File::create(&path)?;
+        std::io::Write::write_all(&mut f, &text)?;
+        f.sync_all()
+    };
+    write().map_err(|e| Error::io(&path, e))
 }
 
 /// Where a global frame lives.

@@ -602,6 +602,15 @@ fn write_synthetic(
     run(py, || crate::synthetic::write_synthetic(&path, &spec))
 }
 
+/// Writes a dataset's manifest.json from `fields` (JSON text): the format's one writer
+/// (crate::dataset::write_manifest sets the format, version and totals).
+#[pyfunction]
+fn write_manifest(py: Python<'_>, path: PathBuf, fields: &str) -> PyResult<()> {
+    let value: serde_json::Value = serde_json::from_str(fields)
+        .map_err(|e| PyValueError::new_err(format!("manifest fields: {e}")))?;
+    run(py, || crate::dataset::write_manifest(&path, value))
+}
+
 /// pack-shards' tokenizer: encodes batches of documents without the GIL and hands the
 /// ids back as little-endian uint32 bytes (no Python object per token).
 #[pyclass(name = "Encoder", module = "pytrain._loader", frozen)]
@@ -655,6 +664,7 @@ fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyDataset>()?;
     m.add_class::<PyLoader>()?;
     m.add_function(wrap_pyfunction!(write_synthetic, m)?)?;
+    m.add_function(wrap_pyfunction!(write_manifest, m)?)?;
     m.add("LoaderError", py.get_type::<LoaderError>())?;
     m.add("CorruptShardError", py.get_type::<CorruptShardError>())?;
     m.add("ManifestError", py.get_type::<ManifestError>())?;

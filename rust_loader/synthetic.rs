@@ -7,9 +7,9 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, LogNormal, Zipf};
 
-use crate::dataset::{FORMAT_NAME, MANIFEST};
+use crate::dataset::write_manifest;
 use crate::error::{Error, Result};
-use crate::format::{TokenDtype, VERSION};
+use crate::format::TokenDtype;
 use crate::shard_writer::ShardWriter;
 
 #[derive(Clone, Debug)]
@@ -98,13 +98,14 @@ pub fn write_synthetic(dir: &Path, spec: &SyntheticSpec) -> Result<u64> {
             "bytes": s.bytes, "xxh3_64": format!("{:016x}", s.checksum),
         }));
     }
-    let manifest = serde_json::json!({
-        "format": FORMAT_NAME, "format_version": VERSION, "dtype": dtype.name(),
-        "tokenizer": {"name": "synthetic", "vocab_size": spec.vocab},
-        "shards": shards, "args": {"synthetic_seed": spec.seed, "zstd_level": spec.level},
-    });
-    let path = dir.join(MANIFEST);
-    std::fs::write(&path, serde_json::to_vec_pretty(&manifest).unwrap())
-        .map_err(|e| Error::io(&path, e))?;
+    write_manifest(
+        dir,
+        serde_json::json!({
+            "dtype": dtype.name(),
+            "tokenizer": {"name": "synthetic", "vocab_size": spec.vocab},
+            "shards": shards, "args": {"synthetic_seed": spec.seed, "zstd_level": spec.level},
+            "created_by": "pytrain write_synthetic",
+        }),
+    )?;
     Ok(total)
 }

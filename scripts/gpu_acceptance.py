@@ -10,6 +10,8 @@ repeated runs of one preset would):
               least twice and a checkpoint, then a second invocation that resumes
   preset-ac   the same with --activation_checkpointing full
   preset-bucket  the same with --data.mode bucket
+  preset-sigterm the preset stopped by SIGTERM mid-run (exit 143, a checkpoint at the stop
+              step), then resumed by the same command; its note has both compile warm-ups
   torchrun    `torchrun --nproc_per_node=1` of the preset (DDP on one GPU), with resume
   pack        `pack-shards` on real text (Python sources as JSONL) with a real tokenizer
               file, then training on it with evaluation
@@ -28,6 +30,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -189,6 +192,53 @@ def row_preset(work: Path, name: str, *extra: str) -> Row:
     return row
 
 
+def row_sigterm(work: Path) -> Row:
+    """The preset stopped by SIGTERM (what Slurm and Kubernetes send) once it trains: exit
+    143, a checkpoint at the stop step, one line saying so; the same command resumes there
+    and finishes. Also the warm restart: the compile warm-up of both invocations (the
+    second loads the first's cache artifacts)."""
+    row = Row("preset-sigterm", "")
+    args = preset_args(work, "--eval_every", "10", "--ckpt_every", "1000", "--eval_batches", "4")
+    run_dir = work / "runs" / row.name
+    cmd = [*TRAIN, *args, "--out_dir", str(work / "runs"), "--name", row.name, "--max_steps", "40"]
+    row.command = " ".join(c if c != PY else "python" for c in cmd) + " (SIGTERM at step >= 12)"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    t0 = time.perf_counter()
+    with open(work / f"{row.name}-1.log", "w") as log:
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+        while p.poll() is None:
+            text = (run_dir / "train.log").read_text() if (run_dir / "train.log").exists() else ""
+            if max((int(s) for s in re.findall(r"\bstep (\d+) loss ", text)), default=0) >= 12:
+                p.send_signal(signal.SIGTERM)
+                break
+            time.sleep(0.2)
+        rc1 = p.wait()
+    out1 = (work / f"{row.name}-1.log").read_text()
+    rc2, out2 = run(cmd, work / f"{row.name}-2.log")
+    row.wall_s = time.perf_counter() - t0
+    read_log(run_dir, row)
+    read_setup(out1, row)
+    stop = re.search(r"stopped at step (\d+) by SIGTERM; checkpoint (\S+);", out1)
+    m = re.search(r"resumed from \S+ at step (\d+)", out2)
+    row.resumed = f"at step {m.group(1)}" if m else "no"
+    warm = [
+        f"{x}s" for x in re.findall(r"compile warm-up: \d+ shape\(s\) in ([\d.]+)s", out1 + out2)
+    ]
+    row.note = f"stopped at step {stop.group(1) if stop else '?'}; warm-up {' then '.join(warm)}; "
+    problems = [] if rc1 == 143 else [f"first exit {rc1}, not 143"]
+    problems += [] if rc2 == 0 else [f"second exit {rc2}"]
+    if not stop or not Path(stop.group(2)).is_file():
+        problems.append("no stop line with its checkpoint")
+    elif not m or m.group(1) != stop.group(1):
+        problems.append("second run did not resume at the stop step")
+    if row.steps != 40 or "Traceback" in out1 + out2:
+        problems.append(f"last step {row.steps}, or a traceback")
+    problems += read_fallbacks(out1) + read_fallbacks(out2)
+    row.note += "; ".join(problems)
+    row.ok = not problems
+    return row
+
+
 def row_torchrun(work: Path) -> Row:
     row = Row("torchrun", "")
     launcher = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
@@ -249,6 +299,7 @@ ROWS = {
         "--data.token_budget",
         "16384",
     ),  # fmt: skip
+    "preset-sigterm": row_sigterm,
     "torchrun": row_torchrun,
     "pack": row_pack,
 }

@@ -136,3 +136,20 @@ def test_auto_runs_unfused_where_the_library_fails_and_says_why(monkeypatch):
     assert "cuBLASLt through nvmath-python failed here" in fused_gelu.why_not(
         cfg, cuda, torch.bfloat16
     )
+
+
+def test_the_traced_path_asks_without_an_lru_cache_warning():
+    """The model's forward asks `used` inside the compiled trace: the memo it reads must
+    not be functools' (Dynamo warned, with a stack, in every run of the GPT-2 preset)."""
+    import warnings
+
+    fused_gelu._nvmath()  # known before the trace, as the trainer's start asks
+
+    def step(x):
+        return x * 2 if fused_gelu._nvmath() else x + 1
+
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.compile(step, backend="eager")(torch.ones(3))
+    assert not [w for w in seen if "lru_cache" in str(w.message)], [str(w.message) for w in seen]

@@ -140,6 +140,13 @@ def test_eval_cli_equals_the_trainers_validation_loss(text_datasets, tmp_path, c
     assert eval_main([str(tmp_path / "run")]) == 0
     assert f"loss {result['val_loss']:.4f}" in capsys.readouterr().out
     assert eval_main([str(tmp_path / "nope"), "--data", str(text_datasets[1])]) == 2
+    # A dataset of the extension's synthetic writer (its manifest from the same one writer
+    # as pack-shards': it has totals, and no input bytes to give bits per byte).
+    from pytrain import _loader
+
+    _loader.write_synthetic(str(tmp_path / "syn"), 300, vocab=256, seed=3)
+    syn = evaluate(str(tmp_path / "run"), [str(tmp_path / "syn")], batches=2)
+    assert syn["loss"] > 0 and "bits_per_byte" not in syn["sets"]["syn"]
 
 
 def test_a_variant_without_a_transformers_class_is_refused_by_name():

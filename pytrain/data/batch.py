@@ -8,15 +8,12 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from pytrain import _loader
-
-if TYPE_CHECKING:
-    from pytrain.data.loader import TokenLoader
 
 __all__ = [
     "position_ids", "loss_mask", "token_ids", "cu_seqlens",
@@ -86,7 +83,7 @@ class HostBatch:
     pieces: int
     """Runs of one document in the batch; each one's last token has no target."""
     _slot: int = -1
-    _owner: TokenLoader | None = None
+    _owner: SlotOwner | None = None
     _inner: _loader.Loader | None = None
     """The loader threads that filled the slot (a restart starts new ones)."""
 
@@ -154,6 +151,24 @@ class CopyEvent(Protocol):
 
     def query(self) -> bool: ...
     def synchronize(self) -> None: ...
+
+
+# What this module needs of a loader, said here so that the dependency runs one way:
+# pytrain.data.loader (TokenLoader) imports this module and satisfies both.
+class SlotOwner(Protocol):
+    """Where a HostBatch's slot goes back: at once, or when its copy has landed."""
+
+    def _release(self, hb: HostBatch) -> None: ...
+    def _defer(self, hb: HostBatch, landed: CopyEvent) -> None: ...
+
+
+class BatchSource(Protocol):
+    """What DeviceFeed reads: host batches, and the position after those handed out."""
+
+    def __next__(self) -> HostBatch: ...
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state: dict) -> None: ...
+    def close(self) -> None: ...
 
 
 def _copy(
@@ -241,7 +256,7 @@ class DeviceFeed:
     Slots are released by the loader as copies land; `close()` waits for the copies in
     flight and closes the loader (on every path, exceptions included, under `with`)."""
 
-    def __init__(self, loader: TokenLoader, device: torch.device | str, segments: bool = False):
+    def __init__(self, loader: BatchSource, device: torch.device | str, segments: bool = False):
         self.loader = loader
         self.device = torch.device(device)
         self.segments = segments

@@ -32,7 +32,6 @@ from pytrain.data.tokenizer import (
     load_tokenizer,
 )
 
-FORMAT = "pytrain-token-shards"
 MANIFEST = "manifest.json"
 ENCODES_IN_FLIGHT = max(2, min(8, (os.cpu_count() or 2) // 2))
 """Tokenizer calls running at once (each parallel over its documents in the tokenizer's
@@ -380,19 +379,12 @@ def _write_shards(
 
 
 def _write_manifest(tmp: Path, info: TokenizerInfo, dtype: str, opts: PackOptions, r: PackReport):
-    manifest = {
-        "format": FORMAT,
-        "format_version": _loader.FORMAT_VERSION,
+    """Through the extension's writer, the format's one (it adds the format, its version
+    and the shards' totals, and syncs the file)."""
+    fields = {
         "dtype": dtype,
         "tokenizer": info.to_json(),
-        "totals": {
-            "documents": r.documents,
-            "tokens": r.tokens,
-            "frames": sum(s["frames"] for s in r.shards),
-            "bytes": sum(s["bytes"] for s in r.shards),
-            "skipped_empty": r.skipped_empty,
-            "input_bytes": r.input_bytes,
-        },
+        "totals": {"skipped_empty": r.skipped_empty, "input_bytes": r.input_bytes},
         "shards": [
             {k: s[k] for k in ("file", "documents", "tokens", "frames", "bytes", "xxh3_64")}
             for s in r.shards
@@ -401,13 +393,8 @@ def _write_manifest(tmp: Path, info: TokenizerInfo, dtype: str, opts: PackOption
         "created_by": "pytrain pack-shards",
     }
     if r.bad is not None:
-        manifest["bad_input"] = r.bad.to_json()
-    path = tmp / MANIFEST
-    with open(path, "w") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
+        fields["bad_input"] = r.bad.to_json()
+    _loader.write_manifest(str(tmp), json.dumps(fields))
 
 
 def _replace_dir(tmp: Path, out: Path) -> None:

@@ -22,7 +22,6 @@ tests run)."""
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -33,13 +32,21 @@ from pytrain.model.config import ModelConfig
 __all__ = ["available", "mlp", "used", "why_not"]
 
 
-@functools.cache
+_imports: list[bool] = []
+"""Whether nvmath-python imports, once known. A plain list, not functools.cache: the model's
+forward asks (through `used`) inside the compiled trace, where Dynamo warns, with a stack,
+on every call of an lru_cache-wrapped function; a global it reads is only a guard."""
+
+
 def _nvmath() -> bool:
-    try:
-        from nvmath.linalg.advanced import Matmul  # noqa: F401
-    except Exception:  # ImportError, or the CUDA libraries failing to load
-        return False
-    return True
+    if not _imports:
+        try:
+            from nvmath.linalg.advanced import Matmul  # noqa: F401
+
+            _imports.append(True)
+        except Exception:  # ImportError, or the CUDA libraries failing to load
+            _imports.append(False)
+    return _imports[0]
 
 
 _checked: dict[int, str] = {}

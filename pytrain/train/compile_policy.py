@@ -207,6 +207,17 @@ def save_cache_artifacts(path) -> bool:
     return True
 
 
+def compile_time_table() -> str:
+    """Dynamo's and Inductor's seconds by phase in this process (what a warm restart still
+    spends, e.g. tracing vs. loading cached kernels); '' where torch does not say."""
+    try:
+        from torch._dynamo.utils import compile_times
+
+        return str(compile_times(repr="str", aggregate=True))
+    except Exception:  # a private API: its absence only loses the table
+        return ""
+
+
 def load_cache_artifacts(path) -> bool:
     p = Path(path)
     if not p.exists():

@@ -311,6 +311,7 @@ class Trainer:
         self.say(
             f"compile warm-up: {len(self.warm_up_shapes())} shape(s) in {time.perf_counter() - t0:.1f}s{loaded}"
         )
+        self.log.text(f"compile seconds by phase:\n{compile_policy.compile_time_table()}")
 
     def train_step_dry(self, b: DeviceBatch) -> None:
         """Forward and backward through the compiled module with the fallback in force,
