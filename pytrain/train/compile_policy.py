@@ -11,6 +11,7 @@ compilation on the CPU by default (slow to compile, little gain for small models
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -211,9 +212,16 @@ def compile_time_table() -> str:
     """Dynamo's and Inductor's seconds by phase in this process (what a warm restart still
     spends, e.g. tracing vs. loading cached kernels); '' where torch does not say."""
     try:
-        from torch._dynamo.utils import compile_times
+        from torch._dynamo.utils import compile_times, counters
 
-        return str(compile_times(repr="str", aggregate=True))
+        caches = {
+            f"{group}.{k}": v
+            for group in ("aot_autograd", "inductor")
+            for k, v in sorted(counters[group].items())
+            if "cache" in k
+        }
+        hits = ", ".join(f"{k} {v}" for k, v in caches.items())
+        return f"{compile_times(repr='str', aggregate=True)}\ncache counters: {hits or 'none'}"
     except Exception:  # a private API: its absence only loses the table
         return ""
 
@@ -329,12 +337,14 @@ class CompiledModel:
     def warm_up(self, cache_path, compile_all, is_main: bool) -> str:
         """Runs `compile_all()` (every shape, before the timed loop) with Inductor's cache
         artifacts loaded from and saved to `cache_path`; records the graphs it made."""
+        t0 = time.perf_counter()
         loaded = load_cache_artifacts(cache_path)
+        t_load = time.perf_counter() - t0
         compile_all()
         self.expected_graphs = compiled_graphs()
         if is_main and not loaded:
             save_cache_artifacts(cache_path)
-        return " (cache artifacts loaded)" if loaded else ""
+        return f" (cache artifacts loaded in {t_load:.1f}s)" if loaded else ""
 
     def summary(self, check_recompiles: bool) -> tuple[int, str | None]:
         """(graphs compiled in this process, a warning if training recompiled after the

@@ -1,0 +1,86 @@
+"""Warm restarts of the GPT-2 124M preset: how long the compile warm-up takes when a run
+starts again (a requeued or resumed job), and what those seconds are.
+
+    PYTHONPATH=$PWD python scripts/bench_warm_restart.py [--work DIR]
+
+Four starts of the preset as shipped (a validation set, so the evaluation graph too), each
+short (--max_steps, no samples), sharing one Inductor cache directory as a user's repeated
+runs of one preset do:
+  cold      an empty Inductor cache and a new run directory
+  restart   the same command again: resumes, loads the run's compile-artifacts.bin
+  new-run   another run directory (no artifacts of its own), the Inductor cache warm
+  restart2  the restart once more (the spread of one configuration)
+For each: the warm-up seconds the trainer reports, the process's wall time, and from
+train.log Dynamo's and Inductor's seconds by phase and the cache hit/miss counters
+(all tables are written to WORK/<row>-phases.txt). A table is printed last."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--work", type=Path, default=Path("runs/warm-restart"))
+    p.add_argument(
+        "--steps", type=int, default=3, help="steps per start (each start adds this many)"
+    )
+    args = p.parse_args()
+    work = args.work.resolve()
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    env = {**os.environ, "PYTRAIN_CACHE": str(work / "data")}
+    code = "from pytrain.data.corpus import build_default; build_default()"
+    subprocess.run([PY, "-c", code], check=True, cwd=ROOT, env=env)
+    data = work / "data" / "stdlib-bpe4096"
+    base = [PY, "-m", "pytrain.train", "--no-progress", "--config", "configs/gpt2-124m.toml",
+            "--data.path", str(data / "train"), "--data.val_path", str(data / "val"),
+            "--compile.cache_dir", str(work / "inductor-cache"), "--out_dir", str(work / "runs"),
+            "--samples", "0", "--eval_every", "0", "--eval_batches", "2", "--optim.grad_accum", "2"]  # fmt: skip
+    rows = []
+    plan = [("cold", "a", 1), ("restart", "a", 2), ("new-run", "b", 1), ("restart2", "a", 3)]
+    for row, name, leg in plan:
+        cmd = [*base, "--name", name, "--max_steps", str(args.steps * leg)]
+        t0 = time.perf_counter()
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+        wall = time.perf_counter() - t0
+        out = r.stdout + r.stderr
+        (work / f"{row}.log").write_text(f"$ {' '.join(cmd)}\n{out}\n[exit {r.returncode}]\n")
+        m = re.search(r"compile warm-up: \d+ shape\(s\) in ([\d.]+)s(.*)", out)
+        log = (work / "runs" / name / "train.log").read_text()
+        phases = log.split("compile seconds by phase:")[-1].split("\n20")[0]
+        (work / f"{row}-phases.txt").write_text(phases)
+        dynamo = re.search(r"_compile\.compile_inner\D+([\d.]+)", phases)
+        caches = re.search(r"cache counters: (.*)", phases)
+        rows.append(
+            (row, r.returncode, m.group(1) if m else "?", (m.group(2).strip() if m else "") or "-",
+             dynamo.group(1) if dynamo else "?", f"{wall:.0f}", caches.group(1) if caches else "?")
+        )  # fmt: skip
+        print(f"[{row}] exit {r.returncode}, warm-up {rows[-1][2]}s, wall {wall:.0f}s", flush=True)
+    import torch
+
+    print(f"\nwarm restarts of the GPT-2 preset, {time.strftime('%Y-%m-%d')}, "
+          f"{torch.cuda.get_device_name()}, torch {torch.__version__}\n")  # fmt: skip
+    print(
+        "| start | exit | warm-up s | artifacts | Dynamo compile_inner s | process wall s | cache counters |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        print("| " + " | ".join(str(x) for x in row) + " |")
+    return 0 if all(r[1] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
