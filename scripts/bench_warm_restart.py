@@ -10,9 +10,12 @@ runs of one preset do:
   restart   the same command again: resumes, loads the run's compile-artifacts.bin
   new-run   another run directory (no artifacts of its own), the Inductor cache warm
   restart2  the restart once more (the spread of one configuration)
+  restart3  and once more
 For each: the warm-up seconds the trainer reports, the process's wall time, and from
 train.log Dynamo's and Inductor's seconds by phase and the cache hit/miss counters
-(all tables are written to WORK/<row>-phases.txt). A table is printed last."""
+(all tables are written to WORK/<row>-phases.txt), among them the seconds spent in
+coordinate-descent tuning, and how many kernels' tuned configs Inductor has cached. A table
+is printed last."""
 
 from __future__ import annotations
 
@@ -50,7 +53,8 @@ def main() -> int:
             "--compile.cache_dir", str(work / "inductor-cache"), "--out_dir", str(work / "runs"),
             "--samples", "0", "--eval_every", "0", "--eval_batches", "2", "--optim.grad_accum", "2"]  # fmt: skip
     rows = []
-    plan = [("cold", "a", 1), ("restart", "a", 2), ("new-run", "b", 1), ("restart2", "a", 3)]
+    plan = [("cold", "a", 1), ("restart", "a", 2), ("new-run", "b", 1), ("restart2", "a", 3),
+            ("restart3", "a", 4)]  # fmt: skip
     for row, name, leg in plan:
         cmd = [*base, "--name", name, "--max_steps", str(args.steps * leg)]
         t0 = time.perf_counter()
@@ -64,9 +68,14 @@ def main() -> int:
         (work / f"{row}-phases.txt").write_text(phases)
         dynamo = re.search(r"_compile\.compile_inner\D+([\d.]+)", phases)
         caches = re.search(r"cache counters: (.*)", phases)
+        tuning = re.search(r"coordinate_descent_tuning\D+([\d.]+)", phases)
+        # Kernels whose coordinate-descent result Inductor has cached (.best_config files).
+        best = list((work / "inductor-cache").rglob("*.best_config"))
+        coordesc = sum('"found_by_coordesc": true' in b.read_text() for b in best)
         rows.append(
             (row, r.returncode, m.group(1) if m else "?", (m.group(2).strip() if m else "") or "-",
-             dynamo.group(1) if dynamo else "?", f"{wall:.0f}", caches.group(1) if caches else "?")
+             dynamo.group(1) if dynamo else "?", tuning.group(1) if tuning else "0",
+             f"{coordesc}/{len(best)}", f"{wall:.0f}", caches.group(1) if caches else "?")
         )  # fmt: skip
         print(f"[{row}] exit {r.returncode}, warm-up {rows[-1][2]}s, wall {wall:.0f}s", flush=True)
     import torch
@@ -74,9 +83,10 @@ def main() -> int:
     print(f"\nwarm restarts of the GPT-2 preset, {time.strftime('%Y-%m-%d')}, "
           f"{torch.cuda.get_device_name()}, torch {torch.__version__}\n")  # fmt: skip
     print(
-        "| start | exit | warm-up s | artifacts | Dynamo compile_inner s | process wall s | cache counters |"
+        "| start | exit | warm-up s | artifacts | Dynamo compile_inner s | coordinate descent s | "
+        "coordesc/best configs cached | process wall s | cache counters |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")  # fmt: skip
     for row in rows:
         print("| " + " | ".join(str(x) for x in row) + " |")
     return 0 if all(r[1] == 0 for r in rows) else 1
