@@ -40,6 +40,9 @@ def main() -> int:
     p.add_argument(
         "--steps", type=int, default=3, help="steps per start (each start adds this many)"
     )
+    p.add_argument("--plan", default="cold:a:1,restart:a:2,new-run:b:1,restart2:a:3,restart3:a:4",
+                   help="starts as ROW:RUN_NAME:LEG[:KEY=VALUE...] (LEG x --steps is its max_steps; "
+                   "KEY=VALUE sets that start's environment, e.g. TORCHINDUCTOR_COMPILE_THREADS=1)")  # fmt: skip
     args = p.parse_args()
     work = args.work.resolve()
     shutil.rmtree(work, ignore_errors=True)
@@ -53,12 +56,12 @@ def main() -> int:
             "--compile.cache_dir", str(work / "inductor-cache"), "--out_dir", str(work / "runs"),
             "--samples", "0", "--eval_every", "0", "--eval_batches", "2", "--optim.grad_accum", "2"]  # fmt: skip
     rows = []
-    plan = [("cold", "a", 1), ("restart", "a", 2), ("new-run", "b", 1), ("restart2", "a", 3),
-            ("restart3", "a", 4)]  # fmt: skip
-    for row, name, leg in plan:
-        cmd = [*base, "--name", name, "--max_steps", str(args.steps * leg)]
+    for start in args.plan.split(","):
+        row, name, leg, *extra = start.split(":")  # extra: KEY=VALUE for this start's env
+        cmd = [*base, "--name", name, "--max_steps", str(args.steps * int(leg))]
         t0 = time.perf_counter()
-        r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+        run_env = {**env, **dict(x.split("=", 1) for x in extra)}
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=run_env)
         wall = time.perf_counter() - t0
         out = r.stdout + r.stderr
         (work / f"{row}.log").write_text(f"$ {' '.join(cmd)}\n{out}\n[exit {r.returncode}]\n")
@@ -68,6 +71,7 @@ def main() -> int:
         (work / f"{row}-phases.txt").write_text(phases)
         dynamo = re.search(r"_compile\.compile_inner\D+([\d.]+)", phases)
         caches = re.search(r"cache counters: (.*)", phases)
+        row += "".join(f" ({x})" for x in extra)
         tuning = re.search(r"coordinate_descent_tuning\D+([\d.]+)", phases)
         # Kernels whose coordinate-descent result Inductor has cached (.best_config files).
         best = list((work / "inductor-cache").rglob("*.best_config"))

@@ -218,7 +218,7 @@ def compile_time_table() -> str:
             f"{group}.{k}": v
             for group in ("aot_autograd", "inductor")
             for k, v in sorted(counters[group].items())
-            if "cache" in k
+            if "cache" in k or "autotuner" in k
         }
         hits = ", ".join(f"{k} {v}" for k, v in caches.items())
         return f"{compile_times(repr='str', aggregate=True)}\ncache counters: {hits or 'none'}"
