@@ -289,16 +289,6 @@ class CompiledModel:
                 import torch._inductor.config as inductor_config
 
                 inductor_config.coordinate_descent_tuning = True
-                # Kernels that come back from the FX graph cache through the static CUDA
-                # launcher lose their cached coordinate-descent result, so every warm start
-                # tuned again (6-62 s of the preset's restarts on an H100; pytorch/pytorch
-                # #172819, fixed upstream after torch 2.11). Launched the usual way they read
-                # it from the autotune cache; under CUDA graphs the launcher's per-launch
-                # cost is not paid at replay. A setting the user made wins.
-                if "TORCHINDUCTOR_USE_STATIC_CUDA_LAUNCHER" not in os.environ and hasattr(
-                    inductor_config, "use_static_cuda_launcher"
-                ):
-                    inductor_config.use_static_cuda_launcher = False
                 self.reason += "; coordinate-descent tuning on"
             if inductor:
                 self.reason += f"; Inductor options {', '.join(set_inductor_options(inductor))}"
