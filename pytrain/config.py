@@ -289,6 +289,14 @@ class TrainConfig:
     """'off', 'full', or 'every-N' (every N-th block)."""
     fsdp: bool = False
     """Shard parameters with FSDP2 (fully_shard) instead of DDP when distributed."""
+    dist_timeout_s: float = 120.0
+    """Under torchrun, how long a collective waits for the other ranks once training runs
+    (after the compile warm-up): a rank that died or hangs ends the job within this, not
+    after NCCL's 10 minutes. Longer than any step and than rank 0's synchronous checkpoint
+    write (docs/TRAINER.md, Distributed)."""
+    dist_init_timeout_s: float = 900.0
+    """The same during set-up, resume and the compile warm-up (a cold compile of a large
+    model takes minutes, and the ranks meet at its end)."""
     deterministic: bool = False
     """torch.use_deterministic_algorithms (for exact-resume checks)."""
     seed: int = 1337

@@ -28,11 +28,15 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 _ports = iter(range(29700 + os.getpid() % 50 * 4, 29900))  # a fresh port per torchrun
 
 
-def train_cmd(small_corpus, tmp_path, name: str, *flags: str, torchrun: int = 0) -> list[str]:
+def train_cmd(
+    small_corpus, tmp_path, name: str, *flags: str, torchrun: int = 0, agent: tuple = ()
+) -> list[str]:
+    """`python -m pytrain.train` on the small corpus, or under torchrun with `torchrun`
+    processes (and the agent's flags `agent`, e.g. --max-restarts)."""
     launch = [sys.executable, "-m", "pytrain.train"]
     if torchrun:
         launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={torchrun}",
-                  f"--master_port={next(_ports)}", "-m", "pytrain.train"]  # fmt: skip
+                  f"--master_port={next(_ports)}", *agent, "-m", "pytrain.train"]  # fmt: skip
     return [*launch, *cfg_args(small_corpus, tmp_path), "--name", name, "--log_every", "1",
             "--eval_every", "0", "--samples", "0", "--optim.warmup_steps", "2",
             "--deterministic", *flags]  # fmt: skip

@@ -134,7 +134,7 @@ def use_default_dataset(cfg) -> None:
     from pytrain.data.corpus import build_default
     from pytrain.train import distributed
 
-    dist, _ = distributed.init(cfg.device)
+    dist, _ = distributed.init(cfg.device, cfg.dist_init_timeout_s)
     say = print if dist.is_main else (lambda *a, **k: None)
     if dist.is_main:
         build_default(vocab_size=cfg.model.vocab_size, log=say)

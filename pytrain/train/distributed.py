@@ -9,6 +9,7 @@ import os
 import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import NoReturn
 
 import torch
@@ -44,8 +45,9 @@ def from_env() -> DistInfo:
     )
 
 
-def init(device_pref: str) -> tuple[DistInfo, torch.device]:
-    """Reads torchrun's environment; NCCL on CUDA, gloo on CPU."""
+def init(device_pref: str, timeout_s: float = 900.0) -> tuple[DistInfo, torch.device]:
+    """Reads torchrun's environment; NCCL on CUDA, gloo on CPU; collectives time out after
+    `timeout_s` (set_timeout shortens it once training runs)."""
     info = from_env()
     if device_pref == "auto":
         device = torch.device(f"cuda:{info.local_rank}" if torch.cuda.is_available() else "cpu")
@@ -68,8 +70,41 @@ def init(device_pref: str) -> tuple[DistInfo, torch.device]:
         dist.init_process_group(
             backend="nccl" if device.type == "cuda" else "gloo",
             device_id=device if device.type == "cuda" else None,
+            store=_attempt_store(info, timeout_s),
+            rank=info.rank,
+            world_size=info.world_size,
+            timeout=timedelta(seconds=timeout_s),
         )
     return info, device
+
+
+def _attempt_store(info: DistInfo, timeout_s: float) -> dist.Store:
+    """The rendezvous store of this attempt of the job: torchrun's (or rank 0's) TCPStore
+    under a prefix of its own per restart. With torchrun's default (static) rendezvous the
+    store outlives a restart (`--max-restarts`), and without the prefix the restarted ranks
+    read the dead ones' addresses from it and fail to connect (gloo: "connectFullMesh
+    failed ... Connection refused"; seen with a plain gloo script too)."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun hosts it
+    store = dist.TCPStore(
+        os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        int(os.environ.get("MASTER_PORT", "29500")),
+        info.world_size,
+        is_master=info.rank == 0 and not agent,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"pytrain/attempt-{attempt}", store)
+
+
+def set_timeout(info: DistInfo, timeout_s: float) -> None:
+    """How long collectives wait from now on (torchtitan does the same after its first
+    step: a long timeout for set-up and compile, a short one for training)."""
+    if info.enabled and dist.is_initialized():
+        from torch.distributed import distributed_c10d
+
+        # Public from torch 2.12 (set_timeout); torch 2.11 has the private name only.
+        set_pg = getattr(dist, "set_timeout", None) or distributed_c10d._set_pg_timeout
+        set_pg(timedelta(seconds=timeout_s), None)
 
 
 def wrap(

@@ -49,7 +49,7 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, log=print):
         self.cfg = cfg
-        self.dist, self.device = distributed.init(cfg.device)
+        self.dist, self.device = distributed.init(cfg.device, cfg.dist_init_timeout_s)
         self.say = log if self.dist.is_main else (lambda *a, **k: None)
         self.run_dir = Path(cfg.out_dir) / cfg.name
         self.run_lock = run_lock.take(self.run_dir, self.dist, self.device)
@@ -348,6 +348,7 @@ class Trainer:
         self.stopped_by: str | None = None
         self.stop.install()
         self.warm_up()
+        distributed.set_timeout(self.dist, cfg.dist_timeout_s)  # a dead peer ends the job soon
         # No device sync inside a step: step k is queued, then step k-1's values are read
         # (the device finished them while step k was being queued) and logged. Step time
         # is the period between successive reads: in steady state, the device's.

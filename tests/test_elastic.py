@@ -1,0 +1,86 @@
+"""Ranks that fail, under torchrun itself (gloo, 2 processes, small model): a rank killed
+with SIGKILL brings the job down at once and `--max-restarts` resumes it from the last
+checkpoint; a rank that hangs (SIGSTOP) ends the job after the process group's timeout
+instead of never. Each time the losses after the checkpoint equal an uninterrupted run's
+(the loader continues exactly)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+
+import pytest
+from test_run_safety import ENV, step_losses, train_cmd, wait_for_step
+
+from pytrain.train import checkpoint
+
+STEPS = 60
+
+
+def _reference(small_corpus, tmp_path) -> dict[int, str]:
+    """The same 2-rank job, never interrupted."""
+    cmd = train_cmd(small_corpus, tmp_path, "whole", "--max_steps", str(STEPS), torchrun=2)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return step_losses(tmp_path / "runs" / "whole")
+
+
+def _worker(torchrun: subprocess.Popen) -> int:
+    """The pid of one of torchrun's worker processes."""
+    out = subprocess.run(["pgrep", "-P", str(torchrun.pid)], capture_output=True, text=True)
+    return int(out.stdout.split()[-1])
+
+
+def _same_after(run, reference: dict[int, str], resumed_at: int) -> None:
+    losses = step_losses(run)
+    assert max(losses) == STEPS
+    for step in range(resumed_at + 1, STEPS + 1):
+        assert losses[step] == reference[step], (step, losses[step], reference[step])
+
+
+@pytest.mark.slow
+def test_a_killed_rank_ends_the_attempt_and_max_restarts_resumes_the_job(small_corpus, tmp_path):
+    run = tmp_path / "runs" / "killed"
+    # torchrun's default (static) rendezvous: its store outlives the restart.
+    cmd = train_cmd(small_corpus, tmp_path, "killed", "--max_steps", str(STEPS),
+                    "--ckpt_every", "5", "--no-ckpt_async", torchrun=2,
+                    agent=("--max-restarts", "1"))  # fmt: skip
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    wait_for_step(run, 12, p)
+    victim = _worker(p)  # its peer fails its next collective (the connection resets)
+    subprocess.run(["kill", "-9", str(victim)], check=True)
+    out, err = p.communicate(timeout=240)
+    assert p.returncode == 0, out[-2000:] + err[-3000:]
+    assert "exitcode: -9" in err or "exitcode  : -9" in err, err[-3000:]
+    m = re.findall(r"resumed from \S+ at step (\d+)", out)
+    assert len(m) == 1, out[-3000:]
+    resumed_at = int(m[0])
+    assert resumed_at >= 10 and resumed_at % 5 == 0
+    assert "connectFullMesh failed" not in err
+    _same_after(run, _reference(small_corpus, tmp_path), resumed_at)
+
+
+@pytest.mark.slow
+def test_a_hung_rank_ends_the_job_after_the_timeout_and_the_rerun_resumes(small_corpus, tmp_path):
+    run = tmp_path / "runs" / "hung"
+    cmd = train_cmd(small_corpus, tmp_path, "hung", "--max_steps", str(STEPS), "--ckpt_every",
+                    "5", "--no-ckpt_async", "--dist_timeout_s", "5", torchrun=2)  # fmt: skip
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    wait_for_step(run, 12, p)
+    victim = _worker(p)
+    t0 = time.monotonic()
+    subprocess.run(["kill", "-STOP", str(victim)], check=True)
+    try:
+        out, err = p.communicate(timeout=120)  # 5 s timeout + torchrun's 30 s grace to kill
+    finally:
+        subprocess.run(["kill", "-CONT", str(victim)], capture_output=True)
+    took = time.monotonic() - t0
+    assert p.returncode != 0 and took < 90, (p.returncode, took)
+    newest = checkpoint.list_checkpoints(run)[-1]
+    stopped_at = checkpoint.read(newest)["step"]
+    assert stopped_at >= 10
+    r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resumed from {newest} at step {stopped_at}" in r.stdout
+    _same_after(run, _reference(small_corpus, tmp_path), stopped_at)
