@@ -7,13 +7,19 @@ instead of never. Each time the losses after the checkpoint equal an uninterrupt
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
-from test_run_safety import ENV, step_losses, train_cmd, wait_for_step
+from conftest import learnable_docs, write_synthetic
+from test_run_safety import ENV, _ports, step_losses, train_cmd, wait_for_step
 
 from pytrain.train import checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
 
 STEPS = 60
 
@@ -84,3 +90,48 @@ def test_a_hung_rank_ends_the_job_after_the_timeout_and_the_rerun_resumes(small_
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resumed from {newest} at step {stopped_at}" in r.stdout
     _same_after(run, _reference(small_corpus, tmp_path), stopped_at)
+
+
+def _two_nodes(small_corpus, tmp_path, name: str, data: tuple, *flags: str, nnodes="2"):
+    """Two torchrun agents, one process each, meeting through c10d rendezvous on this host
+    as two nodes would; node k reads the training set at data[k]. Returns both results."""
+    port = next(_ports)
+    procs = []
+    for k in (0, 1):
+        cmd = train_cmd(small_corpus, tmp_path, name, *flags)
+        at = cmd.index("--data.path")
+        cmd[at + 1] = str(data[k])
+        agent = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
+                 "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+                 f"--rdzv_id={name}-{port}", "-m", "pytrain.train"]  # fmt: skip
+        procs.append(subprocess.Popen([*agent, *cmd[3:]], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, env=ENV))  # fmt: skip
+    return [(p, *p.communicate(timeout=300)) for p in procs]
+
+
+@pytest.mark.slow
+def test_two_nodes_train_and_resume_like_one_and_must_read_the_same_data(small_corpus, tmp_path):
+    train = small_corpus[0]
+    copy = tmp_path / "node1-copy"
+    shutil.copytree(train, copy)  # another path, the same content: allowed
+    run = tmp_path / "runs" / "nodes"
+    for leg in ("--halt_after", "--max_steps"):
+        value = "7" if leg == "--halt_after" else str(STEPS)
+        results = _two_nodes(small_corpus, tmp_path, "nodes", (train, copy),
+                             "--max_steps", str(STEPS), "--ckpt_every", "5", leg, value)  # fmt: skip
+        for p, out, err in results:
+            assert p.returncode == 0, out[-2000:] + err[-3000:]
+    out = "".join(o for _, o, _ in results)
+    assert "resumed from" in out and "at step 7" in out, out[-2000:]
+    _same_after(run, _reference(small_corpus, tmp_path), 0)  # the same losses as one node
+
+    other = tmp_path / "other"
+    write_synthetic(other, learnable_docs(300, seed=9), frame_bytes=8192, dtype="uint16", vocab=256)
+    results = _two_nodes(small_corpus, tmp_path, "mismatch", (train, other), "--max_steps", "3")
+    assert all(p.returncode != 0 for p, _, _ in results)
+    errs = "".join(e for _, _, e in results)
+    line = next(x for x in errs.splitlines() if "pytrain.train: error:" in x)
+    # Which node gets rank 0 is the rendezvous's choice: the line names both datasets.
+    assert str(other) in line and str(train) in line and "rank 1 on" in line, line
+    assert "every node must read the same dataset" in line
+    assert f'File "{ROOT / "pytrain"}' not in errs  # one line, no traceback through our code

@@ -4,11 +4,13 @@ a dataset; and the training loader over them."""
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
 from pytrain.config import ConfigError, DataConfig, dataset_dir
 from pytrain.data.loader import TokenLoader
+from pytrain.train import distributed
 from pytrain.train.distributed import DistInfo
 
 
@@ -59,3 +61,24 @@ def train_loader(d: DataConfig, s: Sources, grad_accum: int, dist: DistInfo) -> 
     return TokenLoader(
         s.train, d, weights=s.weights, stages=stages, rank=dist.rank, world_size=dist.world_size
     )
+
+
+def check_same_data(loader: TokenLoader, s: Sources, dist: DistInfo) -> None:
+    """Every rank reads the same datasets: each node may have its own copy under its own
+    path (a local disk per node), but their contents, by the manifests' hashes, must be
+    one. Raises ConfigError on every rank, naming the first rank and path that differ
+    from rank 0's."""
+    if not dist.enabled:
+        return
+    hashes = [src["manifest_hash"] for src in loader.state_dict()["sources"]]
+    mine = {"hashes": hashes, "paths": [str(p) for p in s.train.values()],
+            "host": socket.gethostname()}  # fmt: skip
+    ranks = distributed.gather_objects(mine, dist)
+    for rank, theirs in enumerate(ranks):
+        if theirs["hashes"] != ranks[0]["hashes"]:
+            raise ConfigError(
+                f"rank {rank} on {theirs['host']} reads {', '.join(theirs['paths'])}, whose "
+                f"content (manifest hash {', '.join(theirs['hashes'])}) differs from rank 0's "
+                f"{', '.join(ranks[0]['paths'])} on {ranks[0]['host']} "
+                f"({', '.join(ranks[0]['hashes'])}): every node must read the same dataset"
+            )

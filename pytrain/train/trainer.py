@@ -69,6 +69,7 @@ class Trainer:
         self.sources = sources.resolve(cfg.data)
         self.train_path, self.val_path = self.sources.train_path, self.sources.val_path
         self.loader = sources.train_loader(cfg.data, self.sources, cfg.optim.grad_accum, self.dist)
+        sources.check_same_data(self.loader, self.sources, self.dist)
         self._build_model()
         self._seed(cfg.seed + self.dist.rank)
         self._build_optimizer()
