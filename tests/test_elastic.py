@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import learnable_docs, write_synthetic
+from test_ddp import cfg_args
 from test_run_safety import ENV, _ports, step_losses, train_cmd, wait_for_step
 
 from pytrain.train import checkpoint
@@ -135,3 +136,24 @@ def test_two_nodes_train_and_resume_like_one_and_must_read_the_same_data(small_c
     assert str(other) in line and str(train) in line and "rank 1 on" in line, line
     assert "every node must read the same dataset" in line
     assert f'File "{ROOT / "pytrain"}' not in errs  # one line, no traceback through our code
+
+
+@pytest.mark.slow
+def test_the_slurm_script_trains_and_resumes_on_this_host(small_corpus, tmp_path):
+    """examples/slurm/pretrain.sbatch's torchrun line, run by bash on this host with the
+    variables Slurm would set (one node, two processes) and no srun: it trains, and the
+    requeued job (the same script again) resumes."""
+    env = {**ENV, "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "slurm-test", "SLURM_NNODES": "1",
+           "SLURM_JOB_NODELIST": "localhost", "GPUS_PER_NODE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(next(_ports)), "SRUN": "", "CONFIG": "configs/cpu-default.toml",
+           "PATH": f"{Path(sys.executable).parent}:{ENV['PATH']}"}  # this venv's python  # fmt: skip
+    flags = [*cfg_args(small_corpus, tmp_path), "--eval_every", "0", "--samples", "0",
+             "--ckpt_every", "3", "--max_steps", "8", "--log_every", "1"]  # fmt: skip
+    script = str(ROOT / "examples/slurm/pretrain.sbatch")
+    run = tmp_path / "runs" / "slurm-test"
+    for leg in (["--halt_after", "4"], []):
+        r = subprocess.run(["bash", script, *flags, *leg], capture_output=True, text=True,
+                           env=env, cwd=ROOT, timeout=300)  # fmt: skip
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "resumed from" in r.stdout and "at step 4" in r.stdout, r.stdout[-2000:]
+    assert max(step_losses(run)) == 8 and "world 2" in r.stdout
