@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch.distributed
 from conftest import learnable_docs, write_synthetic
 from test_ddp import cfg_args
 from test_run_safety import ENV, _ports, step_losses, train_cmd, wait_for_step
@@ -157,3 +158,33 @@ def test_the_slurm_script_trains_and_resumes_on_this_host(small_corpus, tmp_path
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "resumed from" in r.stdout and "at step 4" in r.stdout, r.stdout[-2000:]
     assert max(step_losses(run)) == 8 and "world 2" in r.stdout
+
+
+@pytest.mark.slow
+def test_with_nnodes_1_to_2_the_job_survives_a_node_leaving(small_corpus, tmp_path):
+    """Two agents of an elastic job (`--nnodes 1:2`); the one that does not host the
+    rendezvous store dies (SIGKILL, worker included, as a node that fails). The other
+    restarts its worker, the rendezvous closes with one node, and the job resumes on one
+    rank from the last checkpoint (the loader continues its global order on the new world
+    size) and finishes."""
+    port, run = next(_ports), tmp_path / "runs" / "elastic"
+    cmd = train_cmd(small_corpus, tmp_path, "elastic", "--max_steps", "400", "--ckpt_every", "20")
+    agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc_per_node=1",
+             "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id=el-{port}",
+             "--max-restarts=3", "-m", "pytrain.train", *cmd[3:]]  # fmt: skip
+    # The rendezvous store lives in this process, as on a cluster it lives where the
+    # endpoint is: whichever agent dies, the store stays (an agent hosting it would take
+    # the rendezvous down with it).
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    survivor, leaver = (subprocess.Popen(agent, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         text=True, env=ENV) for _ in (0, 1))  # fmt: skip
+    wait_for_step(run, 30, survivor)
+    subprocess.run(["pkill", "-9", "-P", str(leaver.pid)])
+    leaver.kill()
+    leaver.communicate()
+    out, err = survivor.communicate(timeout=240)
+    assert survivor.returncode == 0, out[-2000:] + err[-3000:]
+    assert "resuming a run saved on 2 rank(s) on 1" in out, out[-3000:]
+    assert max(step_losses(run)) == 400
+    assert checkpoint.read(checkpoint.list_checkpoints(run)[-1])["world_size"] == 1
+    del store
