@@ -96,15 +96,25 @@ def _attempt_store(info: DistInfo, timeout_s: float) -> dist.Store:
     return dist.PrefixStore(f"pytrain/attempt-{attempt}", store)
 
 
-def set_timeout(info: DistInfo, timeout_s: float) -> None:
+def set_timeout(info: DistInfo, timeout_s: float) -> str | None:
     """How long collectives wait from now on (torchtitan does the same after its first
-    step: a long timeout for set-up and compile, a short one for training)."""
-    if info.enabled and dist.is_initialized():
-        from torch.distributed import distributed_c10d
+    step: a long timeout for set-up and compile, a short one for training). Returns a
+    warning where the backend cannot change it (the set-up timeout then stays)."""
+    if not (info.enabled and dist.is_initialized()):
+        return None
+    from torch.distributed import distributed_c10d
 
-        # Public from torch 2.12 (set_timeout); torch 2.11 has the private name only.
-        set_pg = getattr(dist, "set_timeout", None) or distributed_c10d._set_pg_timeout
+    # Public from torch 2.12 (set_timeout); torch 2.11 has the private name only.
+    set_pg = getattr(dist, "set_timeout", None) or getattr(
+        distributed_c10d, "_set_pg_timeout", None
+    )
+    try:
+        if set_pg is None:
+            raise NotImplementedError("no set_timeout in this torch")
         set_pg(timedelta(seconds=timeout_s), None)
+    except (RuntimeError, NotImplementedError, AttributeError) as e:
+        return f"warning: collectives keep the set-up timeout (--dist_init_timeout_s): {e}"
+    return None
 
 
 def wrap(

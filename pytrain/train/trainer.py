@@ -349,7 +349,8 @@ class Trainer:
         self.stopped_by: str | None = None
         self.stop.install()
         self.warm_up()
-        distributed.set_timeout(self.dist, cfg.dist_timeout_s)  # a dead peer ends the job soon
+        if note := distributed.set_timeout(self.dist, cfg.dist_timeout_s):  # a dead peer ends it
+            self.say(note)
         # No device sync inside a step: step k is queued, then step k-1's values are read
         # (the device finished them while step k was being queued) and logged. Step time
         # is the period between successive reads: in steady state, the device's.
