@@ -344,6 +344,33 @@ def test_a_run_whose_disk_fills_ends_in_one_line_with_its_last_checkpoint(
     assert checkpoint.read(run / "ckpt-00000004.pt")["step"] == 4
 
 
+_FAIL_LOG_WRITE = """
+import errno, os, sys
+from pytrain.train import metrics
+text = metrics.RunLog.text
+def full_after_ten(self, line, calls=[]):
+    calls.append(line)
+    if len(calls) > 10:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.file.name))
+    return text(self, line)
+metrics.RunLog.text = full_after_ten
+from pytrain.train.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_a_log_write_that_runs_out_of_space_ends_in_one_line(small_corpus, tmp_path):
+    cmd = train_cmd(small_corpus, tmp_path, "full-log", "--max_steps", "30", "--ckpt_every", "5")
+    r = subprocess.run([sys.executable, "-c", _FAIL_LOG_WRITE, *cmd[3:]], capture_output=True,
+                       text=True, env=ENV, timeout=300)  # fmt: skip
+    assert r.returncode == 4, r.stderr[-3000:]
+    line = one_line_error(r.stderr)
+    assert "no space left writing" in line and "train.log" in line and "free there" in line, line
+    run = tmp_path / "runs" / "full-log"
+    assert checkpoint.read(checkpoint.list_checkpoints(run)[-1])["step"] >= 5
+
+
 def test_the_start_says_when_the_checkpoints_will_not_fit(tmp_path):
     free = disk.free_bytes(tmp_path)
     assert disk.space_note(tmp_path, per_checkpoint=1000, keep=3) is None

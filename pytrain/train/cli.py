@@ -66,6 +66,19 @@ def main(argv: list[str] | None = None) -> int:
     except DiskFull as e:
         print(f"pytrain.train: error: {e}", file=sys.stderr)
         return EXIT_DISK_FULL
+    except OSError as e:  # any other write that ran out of space: train.log, TensorBoard
+        from pytrain.train.disk import free_bytes, full_disk_error, human
+
+        if (full := full_disk_error(e)) is None:
+            raise
+        where = (
+            f"{full.filename} ({human(free_bytes(full.filename))} free there)"
+            if full.filename
+            else "a file of the run"
+        )
+        print(f"pytrain.train: error: no space left writing {where}; the newest checkpoint is "
+              "intact: free some space and run the same command to resume", file=sys.stderr)  # fmt: skip
+        return EXIT_DISK_FULL
     except KeyboardInterrupt:
         print(
             "pytrain.train: interrupted by SIGINT; the run directory keeps its newest "
