@@ -32,14 +32,14 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> Loaded:
     p = Path(path)
     if (p / "config.json").is_file() and (p / "model.safetensors").is_file():
         return _load_hf(p, device)
-    if p.is_dir():
+    if p.is_dir() and not (p / "state.pt").is_file():  # a run directory (not one checkpoint's)
         from pytrain.train.checkpoint import load_latest
 
         found = load_latest(p)
         if found is None:
             raise ConfigError(f"{path}: no checkpoint (ckpt-*.pt) and no exported model in it")
         state, p = found
-    elif p.is_file():
+    elif p.is_file() or (p / "state.pt").is_file():  # a file, or a sharded checkpoint's directory
         from pytrain.train.checkpoint import UnsafeCheckpoint, read
 
         try:
@@ -50,11 +50,20 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> Loaded:
             raise ConfigError(f"{path}: not a checkpoint ({type(e).__name__}: {e})") from None
     else:
         raise ConfigError(f"{path}: no such file or directory")
-    if not isinstance(state, dict) or "model" not in state or "config" not in state:
+    if (
+        not isinstance(state, dict)
+        or not ("model" in state or "sharded" in state)
+        or "config" not in state
+    ):
         raise ConfigError(f"{path}: not a pytrain checkpoint (no model and config in it)")
     cfg = ModelConfig.from_saved(state["config"]["model"])
     gpt = GPT(cfg)
-    gpt.load_state_dict(strip_prefixes(state["model"]))
+    if "sharded" in state:  # an FSDP2 run's checkpoint: its shards, read whole here
+        from pytrain.train.sharded_checkpoint import load_model
+
+        load_model(state["sharded"], gpt)
+    else:
+        gpt.load_state_dict(strip_prefixes(state["model"]))
     data = dataset_of(state["config"]["data"])
     tok, eos = None, None
     if data is not None:

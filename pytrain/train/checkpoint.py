@@ -19,6 +19,7 @@ import os
 import pickle
 import random
 import re
+import shutil
 import threading
 import time
 import warnings
@@ -30,7 +31,9 @@ import torch
 from pytrain.config import ConfigError, flag_value
 from pytrain.train import disk
 
-PATTERN = re.compile(r"^ckpt-(\d{8})\.pt$")
+PATTERN = re.compile(r"^ckpt-(\d{8})(\.pt)?$")
+"""A checkpoint file (ckpt-<step>.pt), or a sharded checkpoint's directory (ckpt-<step>/,
+pytrain.train.sharded_checkpoint)."""
 
 
 class CheckpointMismatch(ConfigError):
@@ -74,6 +77,20 @@ LEGACY_GLOBALS = [
 
 
 def read(path: Path) -> dict:
+    """A checkpoint's contents (see `read_file`); for a sharded checkpoint's directory, its
+    state.pt, with `sharded` set to the directory (its tensors are loaded by
+    pytrain.train.sharded_checkpoint into the model and optimizer that will hold them)."""
+    path = Path(path)
+    if path.is_dir():
+        from pytrain.train import sharded_checkpoint
+
+        state = read_file(path / sharded_checkpoint.STATE)
+        state["sharded"] = path
+        return state
+    return read_file(path)
+
+
+def read_file(path: Path) -> dict:
     """A checkpoint's contents, loaded with `weights_only=True` (tensors and plain values;
     the numpy globals of LEGACY_GLOBALS for files of earlier versions). A file that needs
     any other global is refused with one line naming the file and those globals; a
@@ -166,9 +183,17 @@ def save(run_dir: Path, step: int, state: dict, keep: int) -> Path:
         os.fsync(fd)
     finally:
         os.close(fd)
-    for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
-        old.unlink(missing_ok=True)
+    prune(run_dir, keep)
     return final
+
+
+def prune(run_dir: Path, keep: int) -> None:
+    """Removes all but the newest `keep` checkpoints, files and sharded directories."""
+    for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -176,7 +201,8 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return []
-    return sorted((p for p in run_dir.iterdir() if PATTERN.match(p.name)), key=lambda p: p.name)
+    found = [p for p in run_dir.iterdir() if PATTERN.match(p.name)]
+    return sorted(found, key=lambda p: int(PATTERN.match(p.name).group(1)))  # type: ignore[union-attr]
 
 
 def load_latest(run_dir: Path) -> tuple[dict, Path] | None:

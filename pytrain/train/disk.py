@@ -78,7 +78,12 @@ def space_note(run_dir: Path, per_checkpoint: int, keep: int) -> str | None:
     """One line when the run directory cannot hold the checkpoints the run will keep
     (`keep` of them plus the one being written before the oldest is removed), counting
     the space the run's existing checkpoints already take; None when they fit."""
-    existing = sum(p.stat().st_size for p in Path(run_dir).glob("ckpt-*.pt"))
+    existing = sum(
+        f.stat().st_size
+        for p in Path(run_dir).glob("ckpt-*")
+        for f in (p.rglob("*") if p.is_dir() else [p])
+        if f.is_file()
+    )  # checkpoint files and sharded checkpoints' directories
     need = per_checkpoint * ((keep if keep > 0 else 1) + 1) - existing
     free = free_bytes(run_dir)
     if need <= free:

@@ -226,23 +226,12 @@ def exit_process(code: int) -> NoReturn:
     os._exit(code)
 
 
-def model_optim_state(model: torch.nn.Module, optimizer, sharded: bool) -> tuple[dict, dict]:
-    """Whole (unsharded) model and optimizer state dicts. Under FSDP2 each rank holds only
-    its shards, so every rank must call this (it gathers); rank 0 receives the full
-    tensors on the CPU, the others empty dicts."""
-    if not sharded:
-        return model.state_dict(), optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_state_dict(model, optimizer, options=opts)
-
-
 def load_model_optim_state(
     model: torch.nn.Module, optimizer, model_state: dict, optim_state: dict, sharded: bool
 ) -> None:
-    """Loads whole state dicts saved by `model_optim_state`; under FSDP2 each rank keeps
-    its own shards of them."""
+    """Loads whole state dicts (a single-file checkpoint: of a DDP or one-process run, or of
+    an FSDP2 run before its checkpoints were sharded); under FSDP2 each rank keeps its own
+    shards of them."""
     if not sharded:
         model.load_state_dict(model_state)
         optimizer.load_state_dict(optim_state)

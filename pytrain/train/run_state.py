@@ -8,20 +8,25 @@ import time
 
 from pytrain.config import DataConfig, to_dict
 from pytrain.model.config import ModelConfig
-from pytrain.train import checkpoint, disk, distributed
+from pytrain.train import checkpoint, disk, distributed, sharded_checkpoint
 
 
-def collect(t) -> dict:
-    """The state of Trainer `t` at a step boundary (every rank calls this: it gathers)."""
+def collect(t, tensors: bool = True) -> dict:
+    """The state of Trainer `t` at a step boundary (every rank calls this: it gathers);
+    without the model's and optimizer's tensors for a sharded checkpoint (each rank writes
+    its own shards of those, pytrain.train.sharded_checkpoint)."""
     per_rank = distributed.gather_objects({"rng": checkpoint.rng_state()}, t.dist)
-    model, optim = distributed.model_optim_state(t.gpt, t.optimizer, t.sharded)
-    if t.master:  # the fp32 weights, not their bf16 copies
-        model = t.opt_step.masters.master_state(t.gpt)
+    weights: dict = {}
+    if tensors:
+        model, optim = t.gpt.state_dict(), t.optimizer.state_dict()
+        if t.master:  # the fp32 weights, not their bf16 copies
+            model = t.opt_step.masters.master_state(t.gpt)
+        weights = {"model": model, "optimizer": optim}
     return {
         "step": t.step,
         "tokens_seen": t.tokens_seen,
-        "model": model,
-        "optimizer": optim,
+        **weights,
+        "master_weights": t.master,
         "scaler": t.precision.scaler.state_dict() if t.precision.scaler else None,
         "guard": t.guard.state_dict(),
         **t.compiler.state_dict(),
@@ -39,6 +44,17 @@ def save(t) -> None:
     on once the snapshot's copies are queued), or written here before returning. A
     synchronous write that fails for space raises disk.DiskFull on every rank."""
     t0 = time.perf_counter()
+    if t.sharded:  # FSDP2: every rank writes its own shards, synchronously (a collective)
+        path = sharded_checkpoint.save(
+            t.run_dir, t.step, t.gpt, t.optimizer, collect(t, tensors=False), t.dist.is_main,
+            lambda: distributed.barrier(t.dist),
+        )  # fmt: skip
+        if t.dist.is_main:
+            checkpoint.prune(t.run_dir, t.cfg.keep_ckpts)
+            t.log.text(
+                f"checkpoint {path} (sharded; the loop waited {time.perf_counter() - t0:.3f}s)"
+            )
+        return
     state = collect(t)
     full: disk.DiskFull | None = None
     if t.dist.is_main:
@@ -75,7 +91,7 @@ def resume(t) -> None:
         path,
         "optim",
         {"name": saved["optim"].get("name", "adamw"),
-         "master_weights": on_off["exp_avg_sq" in state["optimizer"]]},
+         "master_weights": on_off[state.get("master_weights", "exp_avg_sq" in state.get("optimizer", {}))]},
         {"name": t.cfg.optim.name, "master_weights": on_off[t.master]},
         "its optimizer state belongs to that optimizer",
     )  # fmt: skip
@@ -87,9 +103,18 @@ def resume(t) -> None:
     checkpoint.refuse_changed(path, "data", DataConfig.from_saved(saved["data"]).batch_settings(),
                               t.cfg.data.batch_settings(),
                               "its loader position belongs to those batches")  # fmt: skip
-    distributed.load_model_optim_state(
-        t.gpt, t.optimizer, state["model"], state["optimizer"], t.sharded
-    )
+    saved_by_ddp = any(isinstance(k, int) for k in state.get("optimizer", {}).get("state", {}))
+    if t.sharded and saved_by_ddp:  # its optimizer state is keyed by parameter index
+        raise checkpoint.CheckpointMismatch(
+            f"{path} was saved by a run without --fsdp (its optimizer state is keyed by "
+            "parameter index): resume it without --fsdp, or train a new run under another --name"
+        )
+    if "sharded" in state:  # each rank reads the chunks of its own layout (any world size)
+        sharded_checkpoint.load(state["sharded"], t.gpt, t.optimizer, state["param_groups"])
+    else:
+        distributed.load_model_optim_state(
+            t.gpt, t.optimizer, state["model"], state["optimizer"], t.sharded
+        )
     if t.master:
         t.opt_step.masters.load_masters(t.gpt, state["model"])
     if t.precision.scaler and state["scaler"]:

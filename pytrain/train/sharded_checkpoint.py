@@ -1,0 +1,162 @@
+"""Checkpoints of FSDP2 runs, sharded: every rank writes its own shards of the model and
+optimizer state through `torch.distributed.checkpoint` (DCP), and no rank ever gathers the
+whole state (a 1B-8B model's full state does not fit one rank's memory). Loading reshards:
+a checkpoint saved by N ranks loads on M ranks, or in one process (pytrain.sample, eval,
+export), because DCP reads each tensor's chunks into whatever layout the reader asks for.
+
+A checkpoint is a directory `ckpt-<step>/`: DCP's files (`.metadata`, `__<rank>_0.distcp`)
+holding tensors only, and `state.pt`, written by rank 0, holding everything else of the run
+(step, loader position, RNG states per rank, configuration, the optimizer's param groups),
+read like every checkpoint file with the weights-only unpickler. It is written under a
+temporary name and renamed into place once complete, as single-file checkpoints are.
+
+Loading never runs code: DCP reads `.metadata` with Python's pickle, so `SafeReader` reads it
+with an unpickler that rebuilds DCP's metadata classes, torch sizes, dtypes and layouts, and
+paths, and refuses anything else; entries stored as pickled bytes (DCP's way for non-tensor
+values, which these checkpoints never hold) are refused too."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from pytrain.config import ConfigError
+
+STATE = "state.pt"
+"""The file of a sharded checkpoint that holds all but its tensors."""
+
+
+def is_sharded(path: Path) -> bool:
+    return Path(path).is_dir() and (Path(path) / ".metadata").is_file()
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's metadata classes and the few torch and pathlib types they hold; nothing else."""
+
+    MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+
+    def find_class(self, module: str, name: str):
+        found = None
+        if module in self.MODULES and not name.startswith("__"):
+            found = getattr(__import__(module, fromlist=[name]), name, None)
+        elif module == "torch" and (
+            name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)
+        ):
+            found = getattr(torch, name)
+        elif (module, name) == ("torch.serialization", "_get_layout"):
+            found = torch.serialization._get_layout
+        elif module == "pathlib" and name in ("Path", "PosixPath", "PurePosixPath", "WindowsPath"):
+            found = getattr(__import__("pathlib"), name)
+        if found is None:
+            raise pickle.UnpicklingError(f"{module}.{name}")
+        return found
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's file reader with `.metadata` read by _MetadataUnpickler."""
+
+    def read_metadata(self, *args, **kwargs):
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta
+
+        path = Path(self.path) / ".metadata"
+        try:
+            with open(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except pickle.UnpicklingError as e:
+            raise UnsafeShards(
+                f"{path}: refused to load: it holds {e}, which unpickling would call; a "
+                "pytrain checkpoint holds tensors and plain values only (nothing was run)"
+            ) from None
+        pickled = [
+            k
+            for k, v in metadata.state_dict_metadata.items()
+            if isinstance(v, BytesStorageMetadata)
+        ]
+        if pickled:
+            raise UnsafeShards(
+                f"{path}: refused to load: {pickled[0]} is stored as pickled bytes, which "
+                "loading would unpickle; a pytrain checkpoint holds tensors only there"
+            )
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class UnsafeShards(ConfigError):
+    """A sharded checkpoint whose metadata would run code or unpickle objects."""
+
+
+def _tensors_only(tree, where: str):
+    """`tree` with every leaf a tensor, else a clear error (DCP would pickle the leaf)."""
+    if isinstance(tree, dict):
+        return {k: _tensors_only(v, f"{where}.{k}") for k, v in tree.items()}
+    if isinstance(tree, torch.Tensor):
+        return tree
+    raise ValueError(f"{where} is a {type(tree).__name__}: sharded checkpoints hold tensors only")
+
+
+def save(run_dir: Path, step: int, model, optimizer, rest: dict, is_main: bool, barrier) -> Path:
+    """Writes ckpt-<step>/ from every rank (a collective): each rank's shards of the model and
+    the optimizer state, and rank 0's `rest` as state.pt. Returns the final path."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    final = Path(run_dir) / f"ckpt-{step:08d}"
+    tmp = final.with_name(f".{final.name}.tmp")
+    if is_main:
+        shutil.rmtree(tmp, ignore_errors=True)  # an attempt that was killed
+        tmp.mkdir(parents=True)
+    barrier()
+    tensors = {"model": _tensors_only(model_sd, "model"),
+               "optimizer": _tensors_only(optim_sd["state"], "optimizer.state")}  # fmt: skip
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True))
+    if is_main:
+        with open(tmp / STATE, "wb") as f:
+            torch.save({**rest, "param_groups": optim_sd["param_groups"], "sharded": True}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        fd = os.open(run_dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    barrier()
+    return final
+
+
+def load(path: Path, model, optimizer, param_groups) -> None:
+    """Loads a sharded checkpoint's model and optimizer state into `model` (FSDP2 or whole)
+    and `optimizer`, each rank reading the chunks of its own shards."""
+    # get_state_dict gives a fresh optimizer its state (zeros, by a step with zero
+    # gradients), so every tensor the checkpoint holds has a place to be read into.
+    checked_reader(path)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    want: dict = {"model": model_sd, "optimizer": optim_sd["state"]}
+    dcp.load(want, storage_reader=SafeReader(str(path)))  # fills the tensors in place
+    set_state_dict(
+        model, optimizer, model_state_dict=model_sd,
+        optim_state_dict={"state": want["optimizer"], "param_groups": param_groups},
+    )  # fmt: skip
+
+
+def checked_reader(path: Path) -> SafeReader:
+    """Reads the metadata once here, so a refused one says so in its own line (inside
+    dcp.load the reason would come wrapped in DCP's error)."""
+    reader = SafeReader(str(path))
+    reader.read_metadata()
+    return reader
+
+
+def load_model(path: Path, model: torch.nn.Module) -> None:
+    """The model's weights only, in one process (sample, eval, export)."""
+    checked_reader(path)
+    want = {"model": model.state_dict()}
+    dcp.load(want, storage_reader=SafeReader(str(path)), no_dist=True)
+    model.load_state_dict(want["model"])

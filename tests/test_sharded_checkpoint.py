@@ -1,0 +1,84 @@
+"""FSDP2 checkpoints through torch.distributed.checkpoint, under torchrun itself (gloo,
+small model): each rank writes its own shards (no rank gathers the whole state), a
+checkpoint of 2 ranks resumes on 1 and back on 2, a single-file checkpoint of an earlier
+run still resumes, sample and export read the shards in one process, and a tampered
+`.metadata` runs nothing."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_run_safety import ENV, _Planted, one_line_error, step_losses, train_cmd
+
+from pytrain.train import checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _leg(small_corpus, tmp_path, name: str, world: int, *flags: str) -> str:
+    cmd = train_cmd(small_corpus, tmp_path, name, "--max_steps", "40", "--ckpt_every", "2",
+                    *flags, torchrun=world)  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return r.stdout + r.stderr
+
+
+@pytest.mark.slow
+def test_fsdp2_checkpoints_are_sharded_and_reshard_from_2_to_1_to_2_ranks(small_corpus, tmp_path):
+    run = tmp_path / "runs" / "dcp"
+    _leg(small_corpus, tmp_path, "dcp", 2, "--fsdp", "--halt_after", "4")
+    ckpts = checkpoint.list_checkpoints(run)
+    assert [c.name for c in ckpts] == ["ckpt-00000002", "ckpt-00000004"]  # directories
+    files = sorted(p.name for p in ckpts[-1].iterdir())
+    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "state.pt"], (
+        files
+    )  # a shard a rank
+    before = step_losses(run)
+    out = _leg(small_corpus, tmp_path, "dcp", 1, "--fsdp", "--halt_after", "2")
+    assert "resuming a run saved on 2 rank(s) on 1" in out and "at step 4" in out, out[-2000:]
+    out = _leg(small_corpus, tmp_path, "dcp", 2, "--fsdp", "--halt_after", "2")
+    assert "resuming a run saved on 1 rank(s) on 2" in out and "at step 6" in out, out[-2000:]
+    losses = step_losses(run)
+    assert sorted(losses) == list(range(1, 9))
+    # The loss continues where it was: no jump at either resume (a model or optimizer
+    # state that did not load would start over near ln(4096) = 8.3, the model's vocabulary).
+    assert abs(float(losses[5]) - float(before[4])) < 0.3 and float(losses[8]) < float(losses[1])
+    assert checkpoint.read(checkpoint.list_checkpoints(run)[-1])["step"] == 8
+
+    # One process reads the shards whole (pytrain.eval; export: tests/test_ddp.py).
+    val = str(small_corpus[1])
+    r = subprocess.run([sys.executable, "-m", "pytrain.eval", str(run), "--device", "cpu",
+                        "--data", val, "--batches", "2", "--json"],
+                       capture_output=True, text=True, env=ENV, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout[r.stdout.index("{") :])["loss"]
+    # Trained weights (a model left at its initialisation scores ln(4096) = 8.3 here).
+    assert got < 8.0 and abs(got - float(losses[8])) < 0.5, (got, losses[8])
+
+    # A tampered .metadata (a pickle that calls open) is refused; nothing runs.
+    marker = tmp_path / "PWNED"
+    newest = checkpoint.list_checkpoints(run)[-1]
+    (newest / ".metadata").write_bytes(pickle.dumps(_Planted(marker)))  # DCP's format: pickle
+    r = subprocess.run([sys.executable, "-m", "pytrain.eval", str(newest), "--device", "cpu",
+                        "--data", val], capture_output=True, text=True, env=ENV, timeout=300)  # fmt: skip
+    assert r.returncode != 0 and not marker.exists()
+    line = one_line_error(r.stderr)
+    assert ".metadata: refused to load" in line, line
+
+
+@pytest.mark.slow
+def test_a_ddp_checkpoint_is_refused_under_fsdp2_in_one_line(small_corpus, tmp_path):
+    run = tmp_path / "runs" / "ddp"
+    _leg(small_corpus, tmp_path, "ddp", 2, "--halt_after", "2")  # DDP: one file, rank 0's
+    assert [c.name for c in checkpoint.list_checkpoints(run)] == ["ckpt-00000002.pt"]
+    cmd = train_cmd(small_corpus, tmp_path, "ddp", "--max_steps", "40", "--fsdp", torchrun=2)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode != 0
+    line = next(x for x in r.stderr.splitlines() if "pytrain.train: error:" in x)
+    assert "ckpt-00000002.pt was saved by a run without --fsdp" in line, line
+    assert f'File "{ROOT / "pytrain"}' not in r.stderr
