@@ -105,11 +105,14 @@ def _torchrun(n: int, port: int, script: str, *args: str) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("after,mix", [(1, False), (3, False), (3, True)])
-def test_training_resumes_on_another_number_of_processes(small_corpus, tmp_path, after, mix):
+@pytest.mark.parametrize(
+    "after,mix,fsdp", [(1, False, False), (3, False, False), (3, True, False), (1, False, True)]
+)
+def test_training_resumes_on_another_number_of_processes(small_corpus, tmp_path, after, mix, fsdp):
     """2 processes train 3 steps and stop (checkpoint), then `after` processes resume to
     step 5: together they trained on exactly the first global batches of the stream, each
-    once (no batch lost, none repeated), also for a mixture."""
+    once (no batch lost, none repeated), also for a mixture, and under FSDP2 (its sharded
+    checkpoint of 2 ranks resharded onto 1)."""
     train, val = small_corpus
     data = ["--data.mix", f"a={train}:0.7", f"b={val}:0.3"] if mix else ["--data.path", str(train)]
     args = [
@@ -117,11 +120,11 @@ def test_training_resumes_on_another_number_of_processes(small_corpus, tmp_path,
         "--model.n_layer", "1", "--model.n_head", "2", "--model.d_model", "32",
         "--data.seq_len", "64", "--data.batch_size", "2", "--data.frames_per_block", "1",
         "--optim.grad_accum", "2", "--eval_every", "0", "--ckpt_every", "0", "--samples", "0",
-        "--no-tensorboard", "--no-progress", "--no-compile.safe_env",
+        "--no-tensorboard", "--no-progress", "--no-compile.safe_env", *(["--fsdp"] if fsdp else []),
     ]  # fmt: skip
     _torchrun(
         2,
-        29540 + after + 3 * mix,
+        29540 + after + 3 * mix + 40 * fsdp,
         "elastic_worker.py",
         str(tmp_path),
         "first",
@@ -130,8 +133,15 @@ def test_training_resumes_on_another_number_of_processes(small_corpus, tmp_path,
         "3",
     )
     log = _torchrun(
-        after, 29550 + after + 3 * mix, "elastic_worker.py", str(tmp_path), "second", *args
+        after,
+        29550 + after + 3 * mix + 40 * fsdp,
+        "elastic_worker.py",
+        str(tmp_path),
+        "second",
+        *args,
     )
+    if fsdp:  # the checkpoint the second leg resumed from was sharded, a file a rank
+        assert (tmp_path / "runs" / "el" / "ckpt-00000003" / "__1_0.distcp").is_file()
     assert f"resuming a run saved on 2 rank(s) on {after}" in log
     got = []
     for tag, world in (("first", 2), ("second", after)):
