@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -158,5 +159,7 @@ def load_model(path: Path, model: torch.nn.Module) -> None:
     """The model's weights only, in one process (sample, eval, export)."""
     checked_reader(path)
     want = {"model": model.state_dict()}
-    dcp.load(want, storage_reader=SafeReader(str(path)), no_dist=True)
+    with warnings.catch_warnings():  # DCP warns that one process is assumed: it is meant
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(want, storage_reader=SafeReader(str(path)), no_dist=True)
     model.load_state_dict(want["model"])
