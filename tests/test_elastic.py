@@ -6,8 +6,10 @@ instead of never. Each time the losses after the checkpoint equal an uninterrupt
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -17,7 +19,7 @@ import pytest
 import torch.distributed
 from conftest import learnable_docs, write_synthetic
 from test_ddp import cfg_args
-from test_run_safety import ENV, _ports, step_losses, train_cmd, wait_for_step
+from test_run_safety import ENV, _ports, children, step_losses, train_cmd, wait_for_step
 
 from pytrain.train import checkpoint
 
@@ -36,8 +38,7 @@ def _reference(small_corpus, tmp_path) -> dict[int, str]:
 
 def _worker(torchrun: subprocess.Popen) -> int:
     """The pid of one of torchrun's worker processes."""
-    out = subprocess.run(["pgrep", "-P", str(torchrun.pid)], capture_output=True, text=True)
-    return int(out.stdout.split()[-1])
+    return children(torchrun.pid)[-1]
 
 
 def _same_after(run, reference: dict[int, str], resumed_at: int) -> None:
@@ -57,7 +58,7 @@ def test_a_killed_rank_ends_the_attempt_and_max_restarts_resumes_the_job(small_c
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     wait_for_step(run, 12, p)
     victim = _worker(p)  # its peer fails its next collective (the connection resets)
-    subprocess.run(["kill", "-9", str(victim)], check=True)
+    os.kill(victim, signal.SIGKILL)
     out, err = p.communicate(timeout=240)
     assert p.returncode == 0, out[-2000:] + err[-3000:]
     assert "exitcode: -9" in err or "exitcode  : -9" in err, err[-3000:]
@@ -78,11 +79,14 @@ def test_a_hung_rank_ends_the_job_after_the_timeout_and_the_rerun_resumes(small_
     wait_for_step(run, 12, p)
     victim = _worker(p)
     t0 = time.monotonic()
-    subprocess.run(["kill", "-STOP", str(victim)], check=True)
+    os.kill(victim, signal.SIGSTOP)
     try:
         out, err = p.communicate(timeout=120)  # 5 s timeout + torchrun's 30 s grace to kill
     finally:
-        subprocess.run(["kill", "-CONT", str(victim)], capture_output=True)
+        try:
+            os.kill(victim, signal.SIGCONT)
+        except ProcessLookupError:  # torchrun already killed it
+            pass
     took = time.monotonic() - t0
     assert p.returncode != 0 and took < 90, (p.returncode, took)
     newest = checkpoint.list_checkpoints(run)[-1]
@@ -179,7 +183,8 @@ def test_with_nnodes_1_to_2_the_job_survives_a_node_leaving(small_corpus, tmp_pa
     survivor, leaver = (subprocess.Popen(agent, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                          text=True, env=ENV) for _ in (0, 1))  # fmt: skip
     wait_for_step(run, 30, survivor)
-    subprocess.run(["pkill", "-9", "-P", str(leaver.pid)])
+    for worker in children(leaver.pid):  # the node fails: its worker and its agent
+        os.kill(worker, signal.SIGKILL)
     leaver.kill()
     leaver.communicate()
     out, err = survivor.communicate(timeout=240)

@@ -58,6 +58,14 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, limit: float
     raise AssertionError(f"no step {step} in {limit}s")
 
 
+def children(pid: int) -> list[int]:
+    """The child processes of `pid` (torchrun's workers), from /proc (no procps needed)."""
+    kids: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        kids += [int(x) for x in (task / "children").read_text().split()]
+    return sorted(kids)
+
+
 def one_line_error(stderr: str) -> str:
     lines = [x for x in stderr.strip().splitlines() if x.strip()]
     assert "Traceback" not in stderr, stderr[-3000:]
@@ -137,8 +145,7 @@ def _stop_and_resume(
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     wait_for_step(run, 6, p)
     if to_one_rank:  # one worker of torchrun's, as a node-local signal would be
-        workers = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True)
-        os.kill(int(workers.stdout.split()[-1]), sig)
+        os.kill(children(p.pid)[-1], sig)
     else:
         p.send_signal(sig)
     out, err = p.communicate(timeout=120)
