@@ -82,3 +82,23 @@ def test_a_ddp_checkpoint_is_refused_under_fsdp2_in_one_line(small_corpus, tmp_p
     line = next(x for x in r.stderr.splitlines() if "pytrain.train: error:" in x)
     assert "ckpt-00000002.pt was saved by a run without --fsdp" in line, line
     assert f'File "{ROOT / "pytrain"}' not in r.stderr
+
+
+@pytest.mark.slow
+def test_a_single_file_fsdp2_checkpoint_of_the_previous_version_still_resumes(
+    small_corpus, tmp_path
+):
+    run = tmp_path / "runs" / "legacy"
+    cmd = train_cmd(small_corpus, tmp_path, "legacy", "--max_steps", "40", "--fsdp",
+                    "--halt_after", "4", torchrun=2)  # fmt: skip
+    at = cmd.index("pytrain.train")
+    cmd[at - 1 : at + 1] = [str(ROOT / "tests" / "legacy_fsdp_worker.py")]  # the script, not -m
+    r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [c.name for c in checkpoint.list_checkpoints(run)] == ["ckpt-00000004.pt"]
+    before = step_losses(run)
+    out = _leg(small_corpus, tmp_path, "legacy", 2, "--fsdp", "--halt_after", "2")
+    assert "ckpt-00000004.pt at step 4" in out, out[-2000:]
+    losses = step_losses(run)
+    assert sorted(losses) == list(range(1, 7)) and abs(float(losses[5]) - float(before[4])) < 0.3
+    assert checkpoint.list_checkpoints(run)[-1].name == "ckpt-00000006"  # now sharded
