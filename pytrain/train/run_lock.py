@@ -13,6 +13,7 @@ from __future__ import annotations
 import fcntl
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -34,7 +35,12 @@ class RunLock:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited (PEP 446)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        except OSError as e:
+            if not isinstance(e, BlockingIOError):  # ENOLCK: a file system without locks
+                os.close(fd)
+                print(f"warning: cannot lock {self.path} ({e.strerror}): nothing stops a "
+                      "second run from writing this run directory", file=sys.stderr)  # fmt: skip
+                return
             holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "another process"
             os.close(fd)
             raise RunDirInUse(
