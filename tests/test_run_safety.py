@@ -204,7 +204,7 @@ def test_a_second_sigint_ends_at_once(small_corpus, tmp_path):
     run = tmp_path / "runs" / "twice"
     # A model whose steps take long enough on a CPU for the second signal to land in one.
     cmd = train_cmd(small_corpus, tmp_path, "twice", "--model.d_model", "768", "--model.n_layer",
-                    "6", "--max_steps", "100000", "--ckpt_every", "5")  # fmt: skip
+                    "6", "--max_steps", "100000", "--ckpt_every", "5", "--keep_ckpts", "1")  # fmt: skip
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     wait_for_step(run, 6, p)
     p.send_signal(signal.SIGINT)
