@@ -126,13 +126,14 @@ def _main(argv: list[str] | None) -> int:
         trainer.close()
         return EXIT_BAD_STEPS
     if signal := result["stopped_by"]:
-        from pytrain.train.checkpoint import ckpt_path
+        from pytrain.train.checkpoint import list_checkpoints
         from pytrain.train.stopping import exit_code
 
-        trainer.say(
-            f"stopped at step {result['step']} by {signal}; checkpoint "
-            f"{ckpt_path(trainer.run_dir, result['step'])}; run the same command to resume"
-        )
+        if trainer.dist.is_main:  # this step's checkpoint, a file or a sharded directory
+            trainer.say(
+                f"stopped at step {result['step']} by {signal}; checkpoint "
+                f"{list_checkpoints(trainer.run_dir)[-1]}; run the same command to resume"
+            )
         trainer.close()
         return exit_code(signal)
     if trainer.dist.is_main:
