@@ -102,3 +102,20 @@ def test_a_single_file_fsdp2_checkpoint_of_the_previous_version_still_resumes(
     losses = step_losses(run)
     assert sorted(losses) == list(range(1, 7)) and abs(float(losses[5]) - float(before[4])) < 0.3
     assert checkpoint.list_checkpoints(run)[-1].name == "ckpt-00000006"  # now sharded
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_write_that_runs_out_of_space(small_corpus, tmp_path):
+    run = tmp_path / "runs" / "full"
+    cmd = train_cmd(small_corpus, tmp_path, "full", "--max_steps", "40", "--fsdp",
+                    "--ckpt_every", "2", torchrun=2)  # fmt: skip
+    at = cmd.index("pytrain.train")
+    cmd[at - 1 : at + 1] = [str(ROOT / "tests" / "dcp_full_worker.py")]  # the script, not -m
+    r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode != 0
+    assert "exitcode  : 4" in r.stderr, r.stderr[-3000:]  # both ranks: the disk-full code
+    line = next(x for x in r.stderr.splitlines() if "pytrain.train: error:" in x)
+    assert "ckpt-00000004 not written: no space left" in line and "ckpt-00000002 is intact" in line
+    assert [c.name for c in checkpoint.list_checkpoints(run)] == ["ckpt-00000002"]
+    assert not list(run.glob(".ckpt-*"))  # no partial directory
+    assert checkpoint.read(run / "ckpt-00000002")["step"] == 2

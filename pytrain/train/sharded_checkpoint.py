@@ -28,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from pytrain.config import ConfigError
+from pytrain.train import disk
 
 STATE = "state.pt"
 """The file of a sharded checkpoint that holds all but its tensors."""
@@ -115,7 +116,24 @@ def save(run_dir: Path, step: int, model, optimizer, rest: dict, is_main: bool, 
     barrier()
     tensors = {"model": _tensors_only(model_sd, "model"),
                "optimizer": _tensors_only(optim_sd["state"], "optimizer.state")}  # fmt: skip
-    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True))
+    try:
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True))
+    except BaseException as e:  # DCP reports a rank's failure to every rank
+        if (full := _full_disk(e)) is None:
+            raise
+        if is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        previous = [p for p in Path(run_dir).glob("ckpt-*") if p != final]
+        kept = (
+            f"the previous checkpoint {max(previous).name} is intact"
+            if previous
+            else "no earlier checkpoint"
+        )
+        raise disk.DiskFull(
+            f"checkpoint {final} not written: no space left writing {full.filename or run_dir} "
+            f"({disk.human(disk.free_bytes(Path(run_dir)))} free in {run_dir}); {kept}; free "
+            "some space (or lower --keep_ckpts) and run the same command to resume"
+        ) from None
     if is_main:
         with open(tmp / STATE, "wb") as f:
             torch.save({**rest, "param_groups": optim_sd["param_groups"], "sharded": True}, f)
@@ -130,6 +148,16 @@ def save(run_dir: Path, step: int, model, optimizer, rest: dict, is_main: bool, 
             os.close(fd)
     barrier()
     return final
+
+
+def _full_disk(e: BaseException) -> OSError | None:
+    """The out-of-space OSError in `e` or, for DCP's CheckpointException, in any rank's
+    failure it carries (exception, traceback)."""
+    found = disk.full_disk_error(e)
+    for failure in getattr(e, "failures", {}).values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        found = found or (disk.full_disk_error(inner) if isinstance(inner, BaseException) else None)
+    return found
 
 
 def load(path: Path, model, optimizer, param_groups) -> None:
