@@ -28,6 +28,16 @@ def _leg(small_corpus, tmp_path, name: str, world: int, *flags: str) -> str:
     return r.stdout + r.stderr
 
 
+def _worker(small_corpus, tmp_path, name: str, script: str, *flags: str):
+    """A 2-rank FSDP2 run under torchrun through one of the tests' worker scripts (in place
+    of `-m pytrain.train`, with the same flags)."""
+    cmd = train_cmd(small_corpus, tmp_path, name, "--max_steps", "40", "--fsdp", *flags,
+                    torchrun=2)  # fmt: skip
+    at = cmd.index("pytrain.train")
+    cmd[at - 1 : at + 1] = [str(ROOT / "tests" / script)]
+    return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
+
+
 @pytest.mark.slow
 def test_fsdp2_checkpoints_are_sharded_and_reshard_from_2_to_1_to_2_ranks(small_corpus, tmp_path):
     run = tmp_path / "runs" / "dcp"
@@ -89,11 +99,7 @@ def test_a_single_file_fsdp2_checkpoint_of_the_previous_version_still_resumes(
     small_corpus, tmp_path
 ):
     run = tmp_path / "runs" / "legacy"
-    cmd = train_cmd(small_corpus, tmp_path, "legacy", "--max_steps", "40", "--fsdp",
-                    "--halt_after", "4", torchrun=2)  # fmt: skip
-    at = cmd.index("pytrain.train")
-    cmd[at - 1 : at + 1] = [str(ROOT / "tests" / "legacy_fsdp_worker.py")]  # the script, not -m
-    r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
+    r = _worker(small_corpus, tmp_path, "legacy", "legacy_fsdp_worker.py", "--halt_after", "4")
     assert r.returncode == 0, r.stderr[-3000:]
     assert [c.name for c in checkpoint.list_checkpoints(run)] == ["ckpt-00000004.pt"]
     before = step_losses(run)
@@ -107,11 +113,7 @@ def test_a_single_file_fsdp2_checkpoint_of_the_previous_version_still_resumes(
 @pytest.mark.slow
 def test_a_sharded_checkpoint_write_that_runs_out_of_space(small_corpus, tmp_path):
     run = tmp_path / "runs" / "full"
-    cmd = train_cmd(small_corpus, tmp_path, "full", "--max_steps", "40", "--fsdp",
-                    "--ckpt_every", "2", torchrun=2)  # fmt: skip
-    at = cmd.index("pytrain.train")
-    cmd[at - 1 : at + 1] = [str(ROOT / "tests" / "dcp_full_worker.py")]  # the script, not -m
-    r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
+    r = _worker(small_corpus, tmp_path, "full", "dcp_full_worker.py", "--ckpt_every", "2")
     assert r.returncode != 0
     assert "exitcode  : 4" in r.stderr, r.stderr[-3000:]  # both ranks: the disk-full code
     line = next(x for x in r.stderr.splitlines() if "pytrain.train: error:" in x)
