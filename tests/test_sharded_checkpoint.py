@@ -6,6 +6,7 @@ run still resumes, sample and export read the shards in one process, and a tampe
 
 from __future__ import annotations
 
+import io
 import json
 import pickle
 import subprocess
@@ -13,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from test_run_safety import ENV, _Planted, one_line_error, step_losses, train_cmd
 
 from pytrain.train import checkpoint
@@ -121,3 +123,22 @@ def test_a_sharded_checkpoint_write_that_runs_out_of_space(small_corpus, tmp_pat
     assert [c.name for c in checkpoint.list_checkpoints(run)] == ["ckpt-00000002"]
     assert not list(run.glob(".ckpt-*"))  # no partial directory
     assert checkpoint.read(run / "ckpt-00000002")["step"] == 2
+
+
+def test_the_metadata_unpickler_rebuilds_dcp_classes_and_refuses_their_modules_functions():
+    """Names DCP's modules define or import (a function that writes files, say) are not
+    classes of its metadata: a pickle that calls one is refused."""
+    import torch.distributed.checkpoint.filesystem as fs
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    from pytrain.train.sharded_checkpoint import _MetadataUnpickler
+
+    chunk = ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([4]))
+    assert _MetadataUnpickler(io.BytesIO(pickle.dumps(chunk))).load() == chunk
+
+    class CallsAFunction:
+        def __reduce__(self):
+            return (fs._write_item, ())
+
+    with pytest.raises(pickle.UnpicklingError, match="_write_item"):
+        _MetadataUnpickler(io.BytesIO(pickle.dumps(CallsAFunction()))).load()

@@ -31,6 +31,9 @@ import torch
 from pytrain.config import ConfigError, flag_value
 from pytrain.train import disk
 
+SHARDED_STATE = "state.pt"
+"""The file of a sharded checkpoint's directory that holds all but its tensors."""
+
 PATTERN = re.compile(r"^ckpt-(\d{8})(\.pt)?$")
 """A checkpoint file (ckpt-<step>.pt), or a sharded checkpoint's directory (ckpt-<step>/,
 pytrain.train.sharded_checkpoint)."""
@@ -82,9 +85,7 @@ def read(path: Path) -> dict:
     pytrain.train.sharded_checkpoint into the model and optimizer that will hold them)."""
     path = Path(path)
     if path.is_dir():
-        from pytrain.train import sharded_checkpoint
-
-        state = read_file(path / sharded_checkpoint.STATE)
+        state = read_file(path / SHARDED_STATE)
         state["sharded"] = path
         return state
     return read_file(path)
@@ -162,29 +163,40 @@ def save(run_dir: Path, step: int, state: dict, keep: int) -> Path:
         tmp.unlink(missing_ok=True)
         if disk.full_disk_error(e) is None:
             raise
-        previous = list_checkpoints(run_dir)
-        kept = (
-            f"the previous checkpoint {previous[-1].name} is intact"
-            if previous
-            else "no earlier checkpoint"
-        )
-        raise disk.DiskFull(
-            f"checkpoint {final} not written: no space left in {run_dir} "
-            f"({disk.human(disk.free_bytes(run_dir))} free, about "
-            f"{disk.human(disk.state_bytes(state))} needed); {kept}; free some space "
-            "(or lower --keep_ckpts) and run the same command to resume"
-        ) from None
+        raise not_written(final, f"about {disk.human(disk.state_bytes(state))} needed") from None
     os.replace(tmp, final)
     for stale in run_dir.glob(".ckpt-*.tmp-*"):  # writes a killed process left unfinished
         if not stale.name.endswith(f".tmp-{os.getpid()}"):
             stale.unlink(missing_ok=True)
-    fd = os.open(run_dir, os.O_RDONLY)
+    fsync_dir(run_dir)
+    prune(run_dir, keep)
+    return final
+
+
+def not_written(final: Path, detail: str) -> disk.DiskFull:
+    """The one-line error of checkpoint `final` (a file or a sharded directory) that could
+    not be written for space: the free space, `detail`, the checkpoint still intact."""
+    run_dir = final.parent
+    previous = [p for p in list_checkpoints(run_dir) if p != final]
+    kept = (
+        f"the previous checkpoint {previous[-1].name} is intact"
+        if previous
+        else "no earlier checkpoint"
+    )
+    return disk.DiskFull(
+        f"checkpoint {final} not written: no space left in {run_dir} "
+        f"({disk.human(disk.free_bytes(run_dir))} free, {detail}); {kept}; free some space "
+        "(or lower --keep_ckpts) and run the same command to resume"
+    )
+
+
+def fsync_dir(d: Path) -> None:
+    """Makes a rename in `d` durable (the directory entry, not only the file's bytes)."""
+    fd = os.open(d, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-    prune(run_dir, keep)
-    return final
 
 
 def prune(run_dir: Path, keep: int) -> None:

@@ -338,11 +338,12 @@ class CompiledModel:
         """Runs `compile_all()` (every shape, before the timed loop) with Inductor's cache
         artifacts loaded from and saved to `cache_path`; records the graphs it made."""
         cache_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-        if is_main and cache_dir and disk.free_bytes(Path(cache_dir)) < 2e9:
+        free = disk.free_bytes(Path(cache_dir)) if is_main and cache_dir else None
+        if free is not None and free < 2e9:
             # A cache that cannot be written costs a fallback to eager speed, said loudly
             # then; said here first, while there is time to free space.
-            self.say(f"warning: the compile cache {cache_dir} has "
-                     f"{disk.human(disk.free_bytes(Path(cache_dir)))} free; compiling may fail for space")  # fmt: skip
+            self.say(f"warning: the compile cache {cache_dir} has {disk.human(free)} free; "
+                     "compiling may fail for space")  # fmt: skip
         t0 = time.perf_counter()
         loaded = load_cache_artifacts(cache_path)
         t_load = time.perf_counter() - t0

@@ -38,13 +38,19 @@ def free_bytes(path: Path) -> int:
 def full_disk_error(e: BaseException) -> OSError | None:
     """The ENOSPC/EDQUOT OSError in `e`'s chain, if any. torch.save reports a failed write
     as a RuntimeError of its zip writer with the OSError as its context; Inductor wraps
-    its own in BackendCompilerFailed."""
+    its own in BackendCompilerFailed; DCP's CheckpointException carries it per rank."""
     seen: set[int] = set()
     x: BaseException | None = e
     while x is not None and id(x) not in seen:
         seen.add(id(x))
         if isinstance(x, OSError) and x.errno in FULL:
             return x
+        # torch.distributed.checkpoint reports every rank's failure to every rank, as
+        # (exception, traceback) pairs by rank.
+        for failure in getattr(x, "failures", {}).values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, BaseException) and (found := full_disk_error(inner)):
+                return found
         x = x.__cause__ or x.__context__
     return None
 

@@ -28,25 +28,26 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from pytrain.config import ConfigError
-from pytrain.train import disk
+from pytrain.train import checkpoint, disk
 
-STATE = "state.pt"
-"""The file of a sharded checkpoint that holds all but its tensors."""
-
-
-def is_sharded(path: Path) -> bool:
-    return Path(path).is_dir() and (Path(path) / ".metadata").is_file()
+STATE = checkpoint.SHARDED_STATE
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's metadata classes and the few torch and pathlib types they hold; nothing else."""
-
-    MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+    """DCP's metadata classes and the few torch and pathlib types they hold; nothing else.
+    Only classes defined in DCP's metadata module (dataclasses and enums, whose rebuilding
+    runs no code of the file's choosing), never a function or a name those modules import."""
 
     def find_class(self, module: str, name: str):
         found = None
-        if module in self.MODULES and not name.startswith("__"):
+        if module == "torch.distributed.checkpoint.metadata":
             found = getattr(__import__(module, fromlist=[name]), name, None)
+            if not (isinstance(found, type) and found.__module__ == module):
+                found = None
+        elif (module, name) == ("torch.distributed.checkpoint.filesystem", "_StorageInfo"):
+            from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+            found = _StorageInfo
         elif module == "torch" and (
             name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)
         ):
@@ -119,21 +120,11 @@ def save(run_dir: Path, step: int, model, optimizer, rest: dict, is_main: bool, 
     try:
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True))
     except BaseException as e:  # DCP reports a rank's failure to every rank
-        if (full := _full_disk(e)) is None:
+        if (full := disk.full_disk_error(e)) is None:
             raise
         if is_main:
             shutil.rmtree(tmp, ignore_errors=True)
-        previous = [p for p in Path(run_dir).glob("ckpt-*") if p != final]
-        kept = (
-            f"the previous checkpoint {max(previous).name} is intact"
-            if previous
-            else "no earlier checkpoint"
-        )
-        raise disk.DiskFull(
-            f"checkpoint {final} not written: no space left writing {full.filename or run_dir} "
-            f"({disk.human(disk.free_bytes(Path(run_dir)))} free in {run_dir}); {kept}; free "
-            "some space (or lower --keep_ckpts) and run the same command to resume"
-        ) from None
+        raise checkpoint.not_written(final, f"writing {full.filename or 'its shards'}") from None
     if is_main:
         with open(tmp / STATE, "wb") as f:
             torch.save({**rest, "param_groups": optim_sd["param_groups"], "sharded": True}, f)
@@ -141,23 +132,9 @@ def save(run_dir: Path, step: int, model, optimizer, rest: dict, is_main: bool, 
             os.fsync(f.fileno())
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        fd = os.open(run_dir, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        checkpoint.fsync_dir(run_dir)
     barrier()
     return final
-
-
-def _full_disk(e: BaseException) -> OSError | None:
-    """The out-of-space OSError in `e` or, for DCP's CheckpointException, in any rank's
-    failure it carries (exception, traceback)."""
-    found = disk.full_disk_error(e)
-    for failure in getattr(e, "failures", {}).values():
-        inner = failure[0] if isinstance(failure, tuple) else failure
-        found = found or (disk.full_disk_error(inner) if isinstance(inner, BaseException) else None)
-    return found
 
 
 def load(path: Path, model, optimizer, param_groups) -> None:
