@@ -1,7 +1,9 @@
 """How long a checkpoint save holds the training loop: written in the loop (before) or
 handed to the background writer (ckpt_async), for the GPT-2 124M preset's state (model,
 AdamW moments; on CUDA the model and optimizer live on the GPU and are snapshotted into
-pinned memory).
+pinned memory). Then the round trip (save, then load into the model and optimizer) of the
+single-file checkpoint against the sharded one that runs under --fsdp write
+(torch.distributed.checkpoint, FSDP2 on one rank here).
 
     python scripts/bench_checkpoint.py [--device cuda] [--saves 3]
 """
@@ -21,7 +23,76 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pytrain.model.config import ModelConfig  # noqa: E402
 from pytrain.model.gpt import GPT  # noqa: E402
-from pytrain.train import checkpoint  # noqa: E402
+from pytrain.train import checkpoint, sharded_checkpoint  # noqa: E402
+
+
+def _model_and_optimizer(cfg: ModelConfig, device: str, fsdp: bool):
+    model = GPT(cfg).to(device)
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for q in model.parameters():
+        q.grad = torch.zeros_like(q)
+    opt.step()  # the moments exist
+    return model, opt
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def round_trips(
+    cfg: ModelConfig, device: str, work: Path, n: int
+) -> list[tuple[str, float, float]]:
+    """(kind, best save s, best load s) of the single-file and the DCP checkpoint."""
+    import torch.distributed as dist
+
+    out = []
+    model, opt = _model_and_optimizer(cfg, device, fsdp=False)
+    saves, loads = [], []
+    for i in range(n):
+        _sync(device)
+        t0 = time.perf_counter()
+        path = checkpoint.save(
+            work / "file", i, {"model": model.state_dict(), "optimizer": opt.state_dict()}, keep=1
+        )
+        saves.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        state = checkpoint.read(path)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        _sync(device)
+        loads.append(time.perf_counter() - t0)
+    out.append(("single file (no --fsdp)", min(saves), min(loads)))
+    del model, opt
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+    dist.init_process_group(
+        "cuda:nccl,cpu:gloo" if device == "cuda" else "gloo", store=store, rank=0, world_size=1
+    )
+    try:
+        model, opt = _model_and_optimizer(cfg, device, fsdp=True)
+        saves, loads = [], []
+        for i in range(n):
+            _sync(device)
+            t0 = time.perf_counter()
+            path = sharded_checkpoint.save(
+                work / "dcp", i, model, opt, {"step": i}, True, dist.barrier
+            )
+            saves.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            state = checkpoint.read(path / checkpoint.SHARDED_STATE)
+            sharded_checkpoint.load(path, model, opt, state["param_groups"])
+            _sync(device)
+            loads.append(time.perf_counter() - t0)
+        out.append(("sharded, DCP (--fsdp, 1 rank)", min(saves), min(loads)))
+    finally:
+        dist.destroy_process_group()
+    return out
 
 
 def main() -> int:
@@ -60,6 +131,7 @@ def main() -> int:
                 writer.wait()
                 total.append(time.perf_counter() - t0)
             rows.append((mode, min(held), max(held), min(total)))
+        trips = round_trips(cfg, args.device, work, args.saves)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(
@@ -69,6 +141,11 @@ def main() -> int:
     print("|---|---|---|---|")
     for mode, lo, hi, done in rows:
         print(f"| {mode} | {lo * 1e3:.1f} ms | {hi * 1e3:.1f} ms | {done:.2f} s |")
+    print("\nround trip (best of the saves): save, then load into the model and optimizer")
+    print("| checkpoint | save s | load s | round trip s |")
+    print("|---|---|---|---|")
+    for kind, save, load in trips:
+        print(f"| {kind} | {save:.2f} | {load:.2f} | {save + load:.2f} |")
     return 0
 
 

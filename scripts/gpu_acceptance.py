@@ -13,6 +13,9 @@ repeated runs of one preset would):
   preset-sigterm the preset stopped by SIGTERM mid-run (exit 143, a checkpoint at the stop
               step), then resumed by the same command; its note has both compile warm-ups
   torchrun    `torchrun --nproc_per_node=1` of the preset (DDP on one GPU), with resume
+  fsdp-cpu-gpu  the embedded default under --fsdp on 2 CPU ranks (gloo) to a sharded
+              checkpoint, resumed by `torchrun --nproc_per_node=1` on the GPU (resharded
+              from 2 ranks to 1): the step count and the loss continue
   pack        `pack-shards` on real text (Python sources as JSONL) with a real tokenizer
               file, then training on it with evaluation
 
@@ -248,6 +251,51 @@ def row_torchrun(work: Path) -> Row:
     return row
 
 
+def row_fsdp_cpu_gpu(work: Path) -> Row:
+    row = Row("fsdp-cpu-gpu", "")
+    train, val = default_dataset(work)
+    launcher = [PY, "-m", "torch.distributed.run", "--standalone"]
+    args = ["-m", "pytrain.train", "--no-progress", "--fsdp", "--data.path", str(train),
+            "--data.val_path", str(val), "--optim.master_weights", "off", "--samples", "0", "--log_every", "1",
+            "--eval_every", "10", "--eval_batches", "4", "--ckpt_every", "20",
+            "--out_dir", str(work / "runs"), "--name", row.name, "--max_steps", "40"]  # fmt: skip
+    cpu = [*launcher, "--nproc_per_node=2", *args, "--device", "cpu", "--halt_after", "20"]
+    gpu = [*launcher, "--nproc_per_node=1", *args]
+    row.command = (
+        " ".join(c if c != PY else "python" for c in cpu) + "; then on the GPU with 1 rank"
+    )
+    run_dir = work / "runs" / row.name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    t0 = time.perf_counter()
+    rc1, out1 = run(cpu, work / f"{row.name}-1.log", {"OMP_NUM_THREADS": "4"})
+    rc2, out2 = run(gpu, work / f"{row.name}-2.log")
+    row.wall_s = time.perf_counter() - t0
+    read_log(run_dir, row)
+    read_setup(out2, row)
+    m = re.search(r"resumed from \S+ at step (\d+)", out2)
+    row.resumed = f"at step {m.group(1)}" if m else "no"
+    text = (run_dir / "train.log").read_text() if (run_dir / "train.log").exists() else ""
+    losses = {int(s): float(x) for s, x in re.findall(r"\bstep (\d+) loss (\S+)", text)}
+    problems = [f"exit codes {rc1}, {rc2}"] if rc1 or rc2 else []
+    if not (run_dir / "ckpt-00000020" / ".metadata").is_file():
+        problems.append("no sharded checkpoint at step 20")
+    if "resuming a run saved on 2 rank(s) on 1" not in out2 or not m or m.group(1) != "20":
+        problems.append("the GPU run did not resume the 2-rank checkpoint at step 20")
+    if "Traceback" in out1 + out2:
+        problems.append("traceback in output")
+    if {1, 20, 21, 40} <= losses.keys():
+        # The loss continues where the CPU left it (a model or optimizer state not loaded
+        # would start again near the first step's loss).
+        row.note = f"loss {losses[1]:.2f} at 1, {losses[20]:.2f} at 20 (CPU), {losses[21]:.2f} at 21 (GPU); "
+        if abs(losses[21] - losses[20]) > 0.1 * losses[20] or losses[40] >= losses[20]:
+            problems.append("the loss did not continue")
+    else:
+        problems.append(f"steps logged: {sorted(losses)[:3]}...{sorted(losses)[-3:]}")
+    row.note = (row.note + "; ".join(problems)).rstrip("; ")
+    row.ok = not problems
+    return row
+
+
 def row_pack(work: Path) -> Row:
     """Real text: the Python sources installed on this machine (site-packages), as JSONL
     (one file a document), packed with the embedded default's tokenizer.json (trained by
@@ -301,6 +349,7 @@ ROWS = {
     ),  # fmt: skip
     "preset-sigterm": row_sigterm,
     "torchrun": row_torchrun,
+    "fsdp-cpu-gpu": row_fsdp_cpu_gpu,
     "pack": row_pack,
 }
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from pytrain.config import COMPILE_LEVELS
-from pytrain.train import disk
+from pytrain.train import compile_cache, disk
 
 # Messages of failures that a lower compile level avoids.
 COMPILE_FAILURE_MARKERS = (
@@ -184,58 +184,6 @@ def compile_model(model: torch.nn.Module, mode: str) -> torch.nn.Module:
     return torch.compile(model, mode=mode, dynamic=False)  # type: ignore[return-value]
 
 
-def save_cache_artifacts(path) -> bool:
-    """Saves Inductor's compiled artifacts (torch >= 2.7) so a restart skips most of the
-    compile time; False where unsupported."""
-    try:
-        got = torch.compiler.save_cache_artifacts()
-    except (AttributeError, RuntimeError):
-        return False
-    if not got:
-        return False
-    p = Path(path)
-    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
-    try:  # atomic: a restart never loads half a file
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_bytes(got[0])
-        os.replace(tmp, p)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        full = " (disk full)" if disk.full_disk_error(e) else ""
-        print(f"warning: compile cache artifacts not saved to {p}{full}: {e.strerror or e}; "
-              f"{disk.human(disk.free_bytes(p.parent))} free there; the next start compiles from scratch")  # fmt: skip
-        return False
-    return True
-
-
-def compile_time_table() -> str:
-    """Dynamo's and Inductor's seconds by phase in this process (what a warm restart still
-    spends, e.g. tracing vs. loading cached kernels); '' where torch does not say."""
-    try:
-        from torch._dynamo.utils import compile_times, counters
-
-        caches = {
-            f"{group}.{k}": v
-            for group in ("aot_autograd", "inductor")
-            for k, v in sorted(counters[group].items())
-            if "cache" in k or "autotuner" in k
-        }
-        hits = ", ".join(f"{k} {v}" for k, v in caches.items())
-        return f"{compile_times(repr='str', aggregate=True)}\ncache counters: {hits or 'none'}"
-    except Exception:  # a private API: its absence only loses the table
-        return ""
-
-
-def load_cache_artifacts(path) -> bool:
-    p = Path(path)
-    if not p.exists():
-        return False
-    try:
-        return torch.compiler.load_cache_artifacts(p.read_bytes()) is not None
-    except Exception:  # a stale or foreign cache only costs a normal compile
-        return False
-
-
 def failure_line(e: BaseException) -> str:
     """A compile failure in a few words for its fallback line; a full disk (Inductor's
     cache, Triton's kernels) is said first and loudly: it is the cause, not the model, and
@@ -292,6 +240,7 @@ class CompiledModel:
                 self.reason += "; coordinate-descent tuning on"
             if inductor:
                 self.reason += f"; Inductor options {', '.join(set_inductor_options(inductor))}"
+            compile_cache.enable_warm_caches()
             ensure_graph_room(graphs)
         self.train_fn = compile_model(self.module, self.mode)
         # Evaluation runs compiled too (uncompiled FlexAttention materialises the scores),
@@ -345,12 +294,12 @@ class CompiledModel:
             self.say(f"warning: the compile cache {cache_dir} has {disk.human(free)} free; "
                      "compiling may fail for space")  # fmt: skip
         t0 = time.perf_counter()
-        loaded = load_cache_artifacts(cache_path)
+        loaded = compile_cache.load_artifacts(cache_path)
         t_load = time.perf_counter() - t0
         compile_all()
         self.expected_graphs = compiled_graphs()
         if is_main and not loaded:
-            save_cache_artifacts(cache_path)
+            compile_cache.save_artifacts(cache_path)
         return f" (cache artifacts loaded in {t_load:.1f}s)" if loaded else ""
 
     def summary(self, check_recompiles: bool) -> tuple[int, str | None]:

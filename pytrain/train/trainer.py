@@ -20,6 +20,7 @@ from pytrain.optim.schedule import lr_at
 from pytrain.optim.step import OptimizerStep
 from pytrain.train import (
     checkpoint,
+    compile_cache,
     compile_policy,
     disk,
     distributed,
@@ -312,7 +313,7 @@ class Trainer:
         self.say(
             f"compile warm-up: {len(self.warm_up_shapes())} shape(s) in {time.perf_counter() - t0:.1f}s{loaded}"
         )
-        self.log.text(f"compile seconds by phase:\n{compile_policy.compile_time_table()}")
+        self.log.text(f"compile seconds by phase:\n{compile_cache.phase_table()}")
 
     def train_step_dry(self, b: DeviceBatch) -> None:
         """Forward and backward through the compiled module with the fallback in force,
