@@ -123,11 +123,15 @@ def wrap(
     if not info.enabled:
         return model
     if fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        # The mesh on the training device: FSDP2's default takes the machine's accelerator,
+        # which breaks a run on the CPU (--device cpu) of a host that has GPUs.
+        mesh = init_device_mesh(device.type, (info.world_size,))
         for block in model.gpt.blocks:  # type: ignore[union-attr]
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP
 
