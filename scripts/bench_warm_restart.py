@@ -11,6 +11,8 @@ runs of one preset do:
   new-run   another run directory (no artifacts of its own), the Inductor cache warm
   restart2  the restart once more (the spread of one configuration)
   restart3  and once more
+With --torchrun, each start runs under torchrun (one rank: DDP, whose graph Dynamo splits
+at the gradient buckets).
 For each: the warm-up seconds the trainer reports, the process's wall time, and from
 train.log Dynamo's and Inductor's seconds by phase and the cache hit/miss counters
 (all tables are written to WORK/<row>-phases.txt), among them the seconds spent in
@@ -43,6 +45,8 @@ def main() -> int:
     p.add_argument("--plan", default="cold:a:1,restart:a:2,new-run:b:1,restart2:a:3,restart3:a:4",
                    help="starts as ROW:RUN_NAME:LEG[:KEY=VALUE...] (LEG x --steps is its max_steps; "
                    "KEY=VALUE sets that start's environment, e.g. TORCHINDUCTOR_COMPILE_THREADS=1)")  # fmt: skip
+    p.add_argument("--torchrun", action="store_true",
+                   help="each start under `torchrun --standalone --nproc_per_node 1` (DDP, its graph split by bucket)")  # fmt: skip
     args = p.parse_args()
     work = args.work.resolve()
     shutil.rmtree(work, ignore_errors=True)
@@ -51,7 +55,8 @@ def main() -> int:
     code = "from pytrain.data.corpus import build_default; build_default()"
     subprocess.run([PY, "-c", code], check=True, cwd=ROOT, env=env)
     data = work / "data" / "stdlib-bpe4096"
-    base = [PY, "-m", "pytrain.train", "--no-progress", "--config", "configs/gpt2-124m.toml",
+    launcher = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]
+    base = [*(launcher if args.torchrun else [PY]), "-m", "pytrain.train", "--no-progress", "--config", "configs/gpt2-124m.toml",
             "--data.path", str(data / "train"), "--data.val_path", str(data / "val"),
             "--compile.cache_dir", str(work / "inductor-cache"), "--out_dir", str(work / "runs"),
             "--samples", "0", "--eval_every", "0", "--eval_batches", "2", "--optim.grad_accum", "2"]  # fmt: skip
