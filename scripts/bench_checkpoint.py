@@ -90,6 +90,18 @@ def round_trips(
             _sync(device)
             loads.append(time.perf_counter() - t0)
         out.append(("sharded, DCP (--fsdp, 1 rank)", min(saves), min(loads)))
+        writer = sharded_checkpoint.ShardedWriter()
+        held, done = [], []
+        for i in range(n):
+            _sync(device)
+            t0 = time.perf_counter()
+            writer.submit(work / "dcp-bg", i, model, opt, {"step": i}, True, dist.barrier, keep=1)
+            held.append(time.perf_counter() - t0)
+            writer.wait()
+            done.append(time.perf_counter() - t0)
+        background.append(
+            ("sharded, DCP in the background (--fsdp, 1 rank)", min(held), max(held), min(done))
+        )
     finally:
         dist.destroy_process_group()
     return out
@@ -131,7 +143,7 @@ def main() -> int:
                 writer.wait()
                 total.append(time.perf_counter() - t0)
             rows.append((mode, min(held), max(held), min(total)))
-        trips = round_trips(cfg, args.device, work, args.saves)
+        trips = round_trips(cfg, args.device, work, args.saves, rows)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(

@@ -50,6 +50,8 @@ def test_fsdp2_checkpoints_are_sharded_and_reshard_from_2_to_1_to_2_ranks(small_
     assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "state.pt"], (
         files
     )  # a shard a rank
+    # Written in the background by default (DCP's async_save), as single-file checkpoints are.
+    assert "(sharded, written in the background;" in (run / "train.log").read_text()
     before = step_losses(run)
     out = _leg(small_corpus, tmp_path, "dcp", 1, "--fsdp", "--halt_after", "2")
     assert "resuming a run saved on 2 rank(s) on 1" in out and "at step 4" in out, out[-2000:]
@@ -113,9 +115,12 @@ def test_a_single_file_fsdp2_checkpoint_of_the_previous_version_still_resumes(
 
 
 @pytest.mark.slow
-def test_a_sharded_checkpoint_write_that_runs_out_of_space(small_corpus, tmp_path):
+@pytest.mark.parametrize("writer", ["--ckpt_async", "--no-ckpt_async"])
+def test_a_sharded_checkpoint_write_that_runs_out_of_space(small_corpus, tmp_path, writer):
+    """In the background (the default: DCP's async_save, the error raised at the next wait)
+    and written in the loop."""
     run = tmp_path / "runs" / "full"
-    r = _worker(small_corpus, tmp_path, "full", "dcp_full_worker.py", "--ckpt_every", "2")
+    r = _worker(small_corpus, tmp_path, "full", "dcp_full_worker.py", "--ckpt_every", "2", writer)
     assert r.returncode != 0
     assert "exitcode  : 4" in r.stderr, r.stderr[-3000:]  # both ranks: the disk-full code
     line = next(x for x in r.stderr.splitlines() if "pytrain.train: error:" in x)

@@ -44,15 +44,19 @@ def save(t) -> None:
     on once the snapshot's copies are queued), or written here before returning. A
     synchronous write that fails for space raises disk.DiskFull on every rank."""
     t0 = time.perf_counter()
-    if t.sharded:  # FSDP2: every rank writes its own shards, synchronously (a collective)
-        path = sharded_checkpoint.save(
-            t.run_dir, t.step, t.gpt, t.optimizer, collect(t, tensors=False), t.dist.is_main,
-            lambda: distributed.barrier(t.dist),
-        )  # fmt: skip
+    if t.sharded:  # FSDP2: every rank writes its own shards (a collective)
+        args = (t.run_dir, t.step, t.gpt, t.optimizer, collect(t, tensors=False), t.dist.is_main,
+                lambda: distributed.barrier(t.dist))  # fmt: skip
+        if t.cfg.ckpt_async:
+            path = t.ckpt_writer.submit(*args, keep=t.cfg.keep_ckpts)
+        else:
+            path = sharded_checkpoint.save(*args)
+            if t.dist.is_main:
+                checkpoint.prune(t.run_dir, t.cfg.keep_ckpts)
         if t.dist.is_main:
-            checkpoint.prune(t.run_dir, t.cfg.keep_ckpts)
+            how = "sharded, written in the background" if t.cfg.ckpt_async else "sharded"
             t.log.text(
-                f"checkpoint {path} (sharded; the loop waited {time.perf_counter() - t0:.3f}s)"
+                f"checkpoint {path} ({how}; the loop waited {time.perf_counter() - t0:.3f}s)"
             )
         return
     state = collect(t)

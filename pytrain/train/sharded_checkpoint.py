@@ -8,7 +8,8 @@ A checkpoint is a directory `ckpt-<step>/`: DCP's files (`.metadata`, `__<rank>_
 holding tensors only, and `state.pt`, written by rank 0, holding everything else of the run
 (step, loader position, RNG states per rank, configuration, the optimizer's param groups),
 read like every checkpoint file with the weights-only unpickler. It is written under a
-temporary name and renamed into place once complete, as single-file checkpoints are.
+temporary name and renamed into place once complete, as single-file checkpoints are; with
+ckpt_async (the default) in the background, as single-file checkpoints are (`ShardedWriter`).
 
 Loading never runs code: DCP reads `.metadata` with Python's pickle, so `SafeReader` reads it
 with an unpickler that rebuilds DCP's metadata classes, torch sizes, dtypes and layouts, and
@@ -20,8 +21,11 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+import threading
+import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -108,33 +112,112 @@ def _tensors_only(tree, where: str):
 def save(run_dir: Path, step: int, model, optimizer, rest: dict, is_main: bool, barrier) -> Path:
     """Writes ckpt-<step>/ from every rank (a collective): each rank's shards of the model and
     the optimizer state, and rank 0's `rest` as state.pt. Returns the final path."""
+    tensors, extra = _prepare(model, optimizer, rest)
+    final, tmp = _start(run_dir, step, is_main, barrier)
+    try:
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True))
+        if is_main:
+            _finish(run_dir, tmp, final, extra)
+    except BaseException as e:
+        raise _failed(e, tmp, final, is_main) from None
+    barrier()
+    return final
+
+
+class ShardedWriter:
+    """Sharded checkpoints written in the background (ckpt_async, as single-file ones are).
+
+    `submit` copies this rank's shards into host memory (DCP's staging) and returns; a
+    thread writes them through DCP's `async_save`, whose collectives run on a gloo group of
+    their own (never interleaved with training's), and then rank 0 writes state.pt and renames
+    the directory into place. DCP reports a failure of any rank to every rank, so `wait`
+    (before the next save, at a stop, at the end) raises it on every rank alike."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._group: Any = None  # the gloo group of DCP's collectives, made at the first save
+        self.last: tuple[Path, float] | None = None  # (path, seconds the write took)
+
+    def submit(self, run_dir: Path, step: int, model, optimizer, rest: dict, is_main: bool,
+               barrier, keep: int) -> Path:  # fmt: skip
+        self.wait()  # one write at a time
+        import torch.distributed as dist
+
+        if self._group is None:  # every rank saves at the same step: a collective is safe here
+            self._group = dist.new_group(backend="gloo")
+        tensors, extra = _prepare(model, optimizer, rest)
+        final, tmp = _start(run_dir, step, is_main, barrier)
+        t0 = time.perf_counter()
+        try:
+            got = dcp.async_save(tensors, process_group=self._group,
+                                 storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True))  # fmt: skip
+        except BaseException as e:
+            raise _failed(e, tmp, final, is_main) from None
+        upload: Any = getattr(got, "upload_completion", got)  # a Future, or a response holding it
+
+        def finish() -> None:
+            try:
+                upload.result()
+                if is_main:
+                    _finish(run_dir, tmp, final, extra)
+                    checkpoint.prune(run_dir, keep)
+                self.last = (final, time.perf_counter() - t0)
+            except BaseException as e:  # handed to the training thread at its next wait()
+                self._error = _failed(e, tmp, final, is_main)
+
+        self._thread = threading.Thread(target=finish, name="dcp-writer")
+        self._thread.start()
+        return final
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+
+def _prepare(model, optimizer, rest: dict) -> tuple[dict, dict]:
+    """(the tensors DCP writes, what state.pt holds)."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    tensors = {"model": _tensors_only(model_sd, "model"),
+               "optimizer": _tensors_only(optim_sd["state"], "optimizer.state")}  # fmt: skip
+    return tensors, {**rest, "param_groups": optim_sd["param_groups"], "sharded": True}
+
+
+def _start(run_dir: Path, step: int, is_main: bool, barrier) -> tuple[Path, Path]:
+    """(final path, an empty temporary directory that every rank sees)."""
     final = Path(run_dir) / f"ckpt-{step:08d}"
     tmp = final.with_name(f".{final.name}.tmp")
     if is_main:
         shutil.rmtree(tmp, ignore_errors=True)  # an attempt that was killed
         tmp.mkdir(parents=True)
     barrier()
-    tensors = {"model": _tensors_only(model_sd, "model"),
-               "optimizer": _tensors_only(optim_sd["state"], "optimizer.state")}  # fmt: skip
-    try:
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True))
-    except BaseException as e:  # DCP reports a rank's failure to every rank
-        if (full := disk.full_disk_error(e)) is None:
-            raise
-        if is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise checkpoint.not_written(final, f"writing {full.filename or 'its shards'}") from None
+    return final, tmp
+
+
+def _finish(run_dir: Path, tmp: Path, final: Path, extra: dict) -> None:
+    """Rank 0, once every rank's shards and DCP's metadata are written: state.pt, then the
+    directory renamed into place."""
+    with open(tmp / STATE, "wb") as f:
+        torch.save(extra, f)
+        f.flush()
+        os.fsync(f.fileno())
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    checkpoint.fsync_dir(Path(run_dir))
+
+
+def _failed(e: BaseException, tmp: Path, final: Path, is_main: bool) -> BaseException:
+    """The error to raise for a failed write: a full disk becomes disk.DiskFull (one line,
+    exit 4), its temporary directory removed; anything else is raised as it is."""
+    if (full := disk.full_disk_error(e)) is None:
+        return e
     if is_main:
-        with open(tmp / STATE, "wb") as f:
-            torch.save({**rest, "param_groups": optim_sd["param_groups"], "sharded": True}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        checkpoint.fsync_dir(run_dir)
-    barrier()
-    return final
+        shutil.rmtree(tmp, ignore_errors=True)
+    return checkpoint.not_written(final, f"writing {full.filename or 'its shards'}")
 
 
 def load(path: Path, model, optimizer, param_groups) -> None:

@@ -26,6 +26,7 @@ from pytrain.train import (
     distributed,
     run_lock,
     run_state,
+    sharded_checkpoint,
     sources,
 )
 from pytrain.train.evaluation import Evaluator
@@ -76,7 +77,9 @@ class Trainer:
         self._build_optimizer()
         self.compiler = self._compiler()
         self.step = self.tokens_seen = 0
-        self.ckpt_writer = checkpoint.AsyncWriter()
+        self.ckpt_writer = (
+            sharded_checkpoint.ShardedWriter() if self.sharded else checkpoint.AsyncWriter()
+        )
         self.stop = StopSignals()
         run_state.resume(self)
         per_ckpt = disk.checkpoint_estimate(self.gpt, self.optimizer, self.master)
