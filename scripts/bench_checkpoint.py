@@ -47,9 +47,10 @@ def _sync(device: str) -> None:
 
 
 def round_trips(
-    cfg: ModelConfig, device: str, work: Path, n: int
+    cfg: ModelConfig, device: str, work: Path, n: int, background: list
 ) -> list[tuple[str, float, float]]:
-    """(kind, best save s, best load s) of the single-file and the DCP checkpoint."""
+    """(kind, best save s, best load s) of the single-file and the DCP checkpoint; appends
+    the background DCP writer's (kind, loop held min, max, done after) to `background`."""
     import torch.distributed as dist
 
     out = []

@@ -231,32 +231,25 @@ def load_latest(run_dir: Path) -> tuple[dict, Path] | None:
     return None
 
 
-class AsyncWriter:
-    """Writes checkpoints on a background thread from a snapshot taken at submit time.
-
-    `submit` returns once the snapshot's copies are queued (for device tensors) or done
-    (host tensors); `wait` blocks until the write in flight is on disk and re-raises its
-    error, if any. The thread is not a daemon: a process that ends normally finishes the
-    write first; one that is killed leaves a temporary file that resume ignores."""
+class BackgroundWrite:
+    """One checkpoint write at a time on a thread of its own; `wait` blocks until the write
+    in flight is done and re-raises its error, if any, in the training thread. The thread
+    is not a daemon: a process that ends normally finishes the write first; one that is
+    killed leaves a temporary that resume ignores."""
 
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._pinned: dict[str, torch.Tensor] = {}  # host buffers by place in the state
-        self._queued_copies = False  # device-to-host copies of the snapshot being taken
         self.last: tuple[Path, float] | None = None  # (path, seconds the write took)
 
-    def submit(self, run_dir: Path, step: int, state: dict, keep: int) -> None:
-        self.wait()  # one write at a time: the pinned buffers are about to be reused
-        self._queued_copies = False
-        snapshot = self._copy(state, "")
-        event = None
-        if self._queued_copies:
-            event = torch.cuda.Event()
-            event.record()
-        self._thread = threading.Thread(
-            target=self._write, args=(run_dir, step, snapshot, keep, event), name="ckpt-writer"
-        )
+    def _start(self, target, name: str) -> None:
+        def run() -> None:
+            try:
+                target()
+            except BaseException as e:  # handed to the training thread at its next wait()
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name=name)
         self._thread.start()
 
     def wait(self) -> None:
@@ -267,15 +260,34 @@ class AsyncWriter:
             error, self._error = self._error, None
             raise error
 
+
+class AsyncWriter(BackgroundWrite):
+    """Writes checkpoints on a background thread from a snapshot taken at submit time.
+
+    `submit` returns once the snapshot's copies are queued (for device tensors) or done
+    (host tensors)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pinned: dict[str, torch.Tensor] = {}  # host buffers by place in the state
+        self._queued_copies = False  # device-to-host copies of the snapshot being taken
+
+    def submit(self, run_dir: Path, step: int, state: dict, keep: int) -> None:
+        self.wait()  # one write at a time: the pinned buffers are about to be reused
+        self._queued_copies = False
+        snapshot = self._copy(state, "")
+        event = None
+        if self._queued_copies:
+            event = torch.cuda.Event()
+            event.record()
+        self._start(lambda: self._write(run_dir, step, snapshot, keep, event), "ckpt-writer")
+
     def _write(self, run_dir: Path, step: int, snapshot: dict, keep: int, event) -> None:
-        try:
-            t0 = time.perf_counter()
-            if event is not None:
-                event.synchronize()  # the device-to-host copies have landed
-            path = save(run_dir, step, snapshot, keep)
-            self.last = (path, time.perf_counter() - t0)
-        except BaseException as e:  # handed to the training thread at its next wait()
-            self._error = e
+        t0 = time.perf_counter()
+        if event is not None:
+            event.synchronize()  # the device-to-host copies have landed
+        path = save(run_dir, step, snapshot, keep)
+        self.last = (path, time.perf_counter() - t0)
 
     def _copy(self, obj, where: str):
         if isinstance(obj, torch.Tensor):

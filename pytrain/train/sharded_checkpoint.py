@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -124,7 +123,7 @@ def save(run_dir: Path, step: int, model, optimizer, rest: dict, is_main: bool, 
     return final
 
 
-class ShardedWriter:
+class ShardedWriter(checkpoint.BackgroundWrite):
     """Sharded checkpoints written in the background (ckpt_async, as single-file ones are).
 
     `submit` copies this rank's shards into host memory (DCP's staging) and returns; a
@@ -134,10 +133,8 @@ class ShardedWriter:
     (before the next save, at a stop, at the end) raises it on every rank alike."""
 
     def __init__(self) -> None:
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        super().__init__()
         self._group: Any = None  # the gloo group of DCP's collectives, made at the first save
-        self.last: tuple[Path, float] | None = None  # (path, seconds the write took)
 
     def submit(self, run_dir: Path, step: int, model, optimizer, rest: dict, is_main: bool,
                barrier, keep: int) -> Path:  # fmt: skip
@@ -162,21 +159,12 @@ class ShardedWriter:
                 if is_main:
                     _finish(run_dir, tmp, final, extra)
                     checkpoint.prune(run_dir, keep)
-                self.last = (final, time.perf_counter() - t0)
-            except BaseException as e:  # handed to the training thread at its next wait()
-                self._error = _failed(e, tmp, final, is_main)
+            except BaseException as e:
+                raise _failed(e, tmp, final, is_main) from None
+            self.last = (final, time.perf_counter() - t0)
 
-        self._thread = threading.Thread(target=finish, name="dcp-writer")
-        self._thread.start()
+        self._start(finish, "dcp-writer")
         return final
-
-    def wait(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
 
 
 def _prepare(model, optimizer, rest: dict) -> tuple[dict, dict]:
