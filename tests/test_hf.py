@@ -62,6 +62,21 @@ VARIANTS = {
         "50000",
     ),  # fmt: skip
     "untied": ("--no-model.tie_embeddings",),
+    # Llama-3.2's kind: grouped-query attention (2 key/value heads for 4 query heads),
+    # Llama 3.1's RoPE scaling (a short original length, so that it changes the angles here).
+    "llama gqa": (
+        "--no-model.tie_embeddings",
+        "--model.n_kv_head",
+        "2",
+        "--model.rope_base",
+        "500000",
+        "--model.rope_scaling",
+        "llama3",
+        "--model.rope_factor",
+        "8",
+        "--model.rope_original_len",
+        "32",
+    ),
 }
 
 
@@ -71,9 +86,11 @@ def test_export_loads_in_transformers_with_equal_logits(text_datasets, tmp_path,
     out = export(tmp_path / "run", tmp_path / "hf")
     model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     tok = transformers.AutoTokenizer.from_pretrained(out)
-    want = {"default": "LlamaForCausalLM", "untied": "LlamaForCausalLM"}.get(
-        variant, "ArceeForCausalLM"
-    )
+    want = {
+        "default": "LlamaForCausalLM",
+        "untied": "LlamaForCausalLM",
+        "llama gqa": "LlamaForCausalLM",
+    }.get(variant, "ArceeForCausalLM")
     assert type(model).__name__ == want
     ours = load(tmp_path / "run").gpt
     assert ours.vocab % 64 == 0 and model.config.vocab_size == ours.vocab  # padded vocabulary
@@ -87,12 +104,13 @@ def test_export_loads_in_transformers_with_equal_logits(text_datasets, tmp_path,
     )
 
 
+@pytest.mark.parametrize("heads", ["mha", "gqa"])
 def test_greedy_sample_equals_transformers_generate_and_the_cache_changes_nothing(
-    text_datasets, tmp_path, capsys
+    text_datasets, tmp_path, capsys, heads
 ):
     from pytrain.sample import main as sample_main
 
-    train(text_datasets, tmp_path)
+    train(text_datasets, tmp_path, *(("--model.n_kv_head", "1") if heads == "gqa" else ()))
     out = export(tmp_path / "run", tmp_path / "hf")
     model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     tok = transformers.AutoTokenizer.from_pretrained(out)

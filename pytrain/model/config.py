@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-ARCHITECTURE = ("vocab_size", "n_layer", "n_head", "d_model", "mlp", "mlp_ratio",
-                "tie_embeddings", "rope_base")  # fmt: skip
+ARCHITECTURE = ("vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "mlp", "mlp_ratio",
+                "tie_embeddings", "rope_base", "rope_scaling", "rope_factor", "rope_original_len")  # fmt: skip
 
 CHOICES = {
     "mlp": ("swiglu", "gelu"),
@@ -17,6 +17,7 @@ CHOICES = {
     "float8_head": ("auto", "on", "off"),
     "fused_gelu": ("auto", "on", "off"),
     "float8": ("off", "tensorwise", "rowwise"),
+    "rope_scaling": ("none", "llama3"),
 }
 """The settings that take one of a few words, and the words: checked where the command line
 and presets are read (one line naming the setting) and where a model is built."""
@@ -28,12 +29,21 @@ class ModelConfig:
     """Rounded up to a multiple of 64 for fast matmuls; set from the dataset if 0."""
     n_layer: int = 4
     n_head: int = 4
+    n_kv_head: int = 0
+    """Key/value heads (grouped-query attention: each serves n_head / n_kv_head query heads,
+    a smaller KV cache and qkv projection); 0 = n_head (multi-head attention)."""
     d_model: int = 256
     mlp: str = "swiglu"
     """'swiglu' or 'gelu'."""
     mlp_ratio: float = 4.0
     tie_embeddings: bool = True
     rope_base: float = 10000.0
+    rope_scaling: str = "none"
+    """'none', or 'llama3': Llama 3.1's RoPE frequency scaling, as Llama-3.1/3.2 models use
+    it: frequencies whose wavelength exceeds rope_original_len are divided by rope_factor,
+    those under rope_original_len / 4 kept, a smooth blend between."""
+    rope_factor: float = 32.0
+    rope_original_len: int = 8192
     dropout: float = 0.0
     attention: str = "auto"
     """'auto', 'fa4', 'flex', 'sdpa_mask' or 'causal' (see pytrain.model.gpt's docstring)."""
@@ -82,6 +92,11 @@ class ModelConfig:
             raise ValueError(
                 f"model.d_model {self.d_model} is not a multiple of model.n_head {self.n_head}"
             )
+        if self.n_kv_head < 0 or self.n_head % self.kv_heads:
+            raise ValueError(
+                f"model.n_kv_head {self.n_kv_head} does not divide model.n_head {self.n_head} "
+                "(each key/value head serves a whole group of query heads; 0 = n_head)"
+            )
         if self.fused_gelu == "on" and (self.mlp != "gelu" or self.float8 != "off"):
             raise ValueError(
                 "model.fused_gelu=on needs model.mlp=gelu and model.float8=off "
@@ -96,6 +111,15 @@ class ModelConfig:
         """The settings that define the function the weights compute, by name: a checkpoint
         resumes only under the same ones."""
         return {k: getattr(self, k) for k in ARCHITECTURE}
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads in force (n_kv_head, or n_head where it is 0)."""
+        return self.n_kv_head or self.n_head
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
 
     @property
     def mlp_hidden(self) -> int:

@@ -160,6 +160,7 @@ def attention(
         out, _ = _fwd(q, k, v, None, q.shape[1])
         return out
     b, t, h, d = q.shape
-    flat = [x.reshape(b * t, h, x.shape[-1]) for x in (q, k, v)]
+    # k and v keep their own head count: FA4 serves grouped-query attention natively.
+    flat = [x.reshape(b * t, x.shape[2], x.shape[3]) for x in (q, k, v)]
     out, _ = _fwd(*flat, segments.cu_seqlens, segments.max_seqlen)
     return out.view(b, t, h, d)

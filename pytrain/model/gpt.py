@@ -45,10 +45,26 @@ class RMSNorm(nn.Module):
         ) * self.weight
 
 
-def rope_tables(head_dim: int, max_len: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(head_dim: int, max_len: int, base: float, cfg: ModelConfig | None = None):
+    """(cos, sin) of each position's angles, (max_len, head_dim / 2), in fp32."""
     inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if cfg is not None and cfg.rope_scaling == "llama3":
+        inv = llama3_scaled(inv, cfg.rope_factor, cfg.rope_original_len)
     angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv)
     return angles.cos(), angles.sin()
+
+
+def llama3_scaled(inv: torch.Tensor, factor: float, original_len: int) -> torch.Tensor:
+    """Llama 3.1's RoPE frequency scaling (as transformers' `rope_type: llama3` computes it,
+    low_freq_factor 1, high_freq_factor 4): long wavelengths slowed by `factor`, short ones
+    kept, a smooth blend between."""
+    low, high = 1.0, 4.0
+    wavelen = 2 * math.pi / inv
+    smooth = (original_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv / factor + smooth * inv
+    out = torch.where(wavelen > original_len / low, inv / factor, inv)
+    middle = (wavelen <= original_len / low) & (wavelen >= original_len / high)
+    return torch.where(middle, blended, out)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -94,8 +110,9 @@ def sdpa(q, k, v, backend: str = "auto", **kwargs) -> torch.Tensor:
 
 
 class KVCache:
-    """One layer's keys and values during generation, (B, H, max_len, D), filled in order:
-    each new token attends to the cached ones instead of recomputing the prefix."""
+    """One layer's keys and values during generation, (B, n_kv_head, max_len, D), filled in
+    order: each new token attends to the cached ones instead of recomputing the prefix (with
+    grouped-query attention the cache holds the key/value heads only)."""
 
     def __init__(self, max_len: int) -> None:
         self.k: torch.Tensor | None = None
@@ -123,8 +140,12 @@ class KVCache:
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.n_head, self.kv_heads, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
+        # One projection for q, k, v: n_head + 2 * kv_heads heads, queries first.
+        self.qkv = nn.Linear(
+            cfg.d_model, (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim, bias=False
+        )
+        self.enable_gqa = cfg.kv_heads != cfg.n_head
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.dropout = cfg.dropout
         self.backend = cfg.sdpa_backend
@@ -133,7 +154,11 @@ class Attention(nn.Module):
         B, T, C = x.shape
         # (B, T, H, D) views of one projection: FA4's layout; SDPA and flex take the
         # (B, H, T, D) transpose of the same views (no copy).
-        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).unbind(2)
+        q, k, v = (
+            self.qkv(x)
+            .view(B, T, -1, self.head_dim)
+            .split((self.n_head, self.kv_heads, self.kv_heads), dim=2)
+        )
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if isinstance(mask, flash4.Segments) or (mask is None and self.backend == "fa4"):
             if self.training and self.dropout:
@@ -148,16 +173,16 @@ class Attention(nn.Module):
                     "a cached forward takes the whole prompt first, then one token at a time"
                 )
             k, v = cache.update(k, v)
-            y = sdpa(q, k, v, self.backend, is_causal=T > 1)
+            y = sdpa(q, k, v, self.backend, is_causal=T > 1, enable_gqa=self.enable_gqa)
             return self.proj(y.transpose(1, 2).reshape(B, T, C))
         if mask is None:
-            y = sdpa(q, k, v, self.backend, is_causal=True, dropout_p=p)
+            y = sdpa(q, k, v, self.backend, is_causal=True, dropout_p=p, enable_gqa=self.enable_gqa)
         elif isinstance(mask, torch.Tensor):
-            y = sdpa(q, k, v, self.backend, attn_mask=mask, dropout_p=p)
+            y = sdpa(q, k, v, self.backend, attn_mask=mask, dropout_p=p, enable_gqa=self.enable_gqa)
         else:
             from torch.nn.attention.flex_attention import flex_attention
 
-            y = flex_attention(q, k, v, block_mask=mask)
+            y = flex_attention(q, k, v, block_mask=mask, enable_gqa=self.enable_gqa)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -205,7 +230,7 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.d_model, self.vocab, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
-        cos, sin = rope_tables(cfg.d_model // cfg.n_head, cfg.max_seq_len, cfg.rope_base)
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_base, cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.checkpoint_every = 0  # set by set_activation_checkpointing

@@ -35,6 +35,10 @@ def hf_config(cfg: ModelConfig, vocab: int, eos_id: int | None, bos_id: int | No
         )
     model_type, arch = ARCHITECTURES[cfg.mlp]
     hidden = cfg.mlp_hidden
+    rope: dict = {"rope_type": "default", "rope_theta": cfg.rope_base}
+    if cfg.rope_scaling == "llama3":
+        rope.update(rope_type="llama3", factor=cfg.rope_factor, low_freq_factor=1.0,
+                    high_freq_factor=4.0, original_max_position_embeddings=cfg.rope_original_len)  # fmt: skip
     out = {
         "architectures": [arch],
         "model_type": model_type,
@@ -43,13 +47,14 @@ def hf_config(cfg: ModelConfig, vocab: int, eos_id: int | None, bos_id: int | No
         "intermediate_size": hidden,
         "num_hidden_layers": cfg.n_layer,
         "num_attention_heads": cfg.n_head,
-        "num_key_value_heads": cfg.n_head,
-        "head_dim": cfg.d_model // cfg.n_head,
+        "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim,
         "hidden_act": "silu" if cfg.mlp == "swiglu" else "gelu",
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": RMS_EPS,
         "rope_theta": cfg.rope_base,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_base},
+        "rope_parameters": rope,
+        "rope_scaling": None if cfg.rope_scaling == "none" else rope,  # transformers 4's key
         "attention_bias": False,
         "attention_dropout": 0.0,
         "mlp_bias": False,
@@ -63,7 +68,7 @@ def hf_config(cfg: ModelConfig, vocab: int, eos_id: int | None, bos_id: int | No
 
 def to_hf(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """pytrain's state dict -> the transformers class's (fp32, contiguous)."""
-    d, out = cfg.d_model, {}
+    d, kv, out = cfg.d_model, cfg.kv_heads * cfg.head_dim, {}
     out["model.embed_tokens.weight"] = state["embed.weight"]
     out["model.norm.weight"] = state["norm.weight"]
     if not cfg.tie_embeddings:
@@ -72,8 +77,8 @@ def to_hf(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.T
         p, q = f"blocks.{i}.", f"model.layers.{i}."
         qkv = state[p + "attn.qkv.weight"]
         out[q + "self_attn.q_proj.weight"] = qkv[:d]
-        out[q + "self_attn.k_proj.weight"] = qkv[d : 2 * d]
-        out[q + "self_attn.v_proj.weight"] = qkv[2 * d :]
+        out[q + "self_attn.k_proj.weight"] = qkv[d : d + kv]
+        out[q + "self_attn.v_proj.weight"] = qkv[d + kv :]
         out[q + "self_attn.o_proj.weight"] = state[p + "attn.proj.weight"]
         out[q + "input_layernorm.weight"] = state[p + "norm1.weight"]
         out[q + "post_attention_layernorm.weight"] = state[p + "norm2.weight"]
@@ -96,12 +101,19 @@ def from_hf(config: dict, weights: dict[str, torch.Tensor]) -> tuple[ModelConfig
             f"{arch} is not a class pytrain exports ({', '.join(v[1] for v in ARCHITECTURES.values())})"
         )
     d, n_layer = config["hidden_size"], config["num_hidden_layers"]
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    n_head = config["num_attention_heads"]
+    kv = config.get("num_key_value_heads") or n_head
     cfg = ModelConfig(
-        vocab_size=config["vocab_size"], n_layer=n_layer, n_head=config["num_attention_heads"],
-        d_model=d, mlp=mlp, tie_embeddings=config.get("tie_word_embeddings", True),
-        rope_base=config.get("rope_theta") or config.get("rope_parameters", {}).get("rope_theta", 10000.0),
+        vocab_size=config["vocab_size"], n_layer=n_layer, n_head=n_head,
+        n_kv_head=0 if kv == n_head else kv, d_model=d, mlp=mlp,
+        tie_embeddings=config.get("tie_word_embeddings", True),
+        rope_base=config.get("rope_theta") or rope.get("rope_theta", 10000.0),
         max_seq_len=config["max_position_embeddings"],
     )  # fmt: skip
+    if rope.get("rope_type", rope.get("type")) == "llama3":
+        cfg.rope_scaling, cfg.rope_factor = "llama3", rope["factor"]
+        cfg.rope_original_len = rope["original_max_position_embeddings"]
     cfg.mlp_ratio = config["intermediate_size"] / d / (2 / 3 if mlp == "swiglu" else 1)
     state = {
         "embed.weight": weights["model.embed_tokens.weight"],
