@@ -153,6 +153,33 @@ def test_fa4_model_compiles_and_matches_the_masked_model():
     assert_same_loss_and_grads(gpt, got, want)
 
 
+@needs_cuda
+@pytest.mark.parametrize("attention", ["flex", "fa4"])
+def test_gqa_model_compiles_and_matches_the_masked_model(attention):
+    """Grouped-query attention (8 query heads over 2 key/value heads) through compiled
+    FlexAttention or FA4 gives the loss and gradients of SDPA with the document mask."""
+    from pytrain.data import loss_mask, position_ids
+    from pytrain.model.gpt import GPT, ModelConfig
+
+    if attention == "fa4" and not fa4_available():
+        pytest.skip("needs flash-attn-4 on sm90/sm100")
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        vocab_size=512, n_layer=2, n_head=8, n_kv_head=2, d_model=512, max_seq_len=512
+    )
+    gpt = GPT(cfg).cuda()
+    B, T = 4, 512
+    doc = packed_doc_ids(B, T + 1, seed=1)
+    ids = torch.randint(0, 512, (B, T + 1), device="cuda")
+    d = doc.cuda()
+    args = (ids[:, :-1], ids[:, 1:], position_ids(d)[:, :-1], loss_mask(d)[:, :-1])
+    cu = torch.from_numpy(data.cu_seqlens(doc[:, :-1].numpy())).cuda()
+    mask = gpt.make_mask(d[:, :-1], attention, cu)
+    got = bf16_loss_and_grads(gpt, torch.compile(gpt.loss_sum), *args, mask)
+    want = bf16_loss_and_grads(gpt, gpt.loss_sum, *args, gpt.make_mask(d[:, :-1], "sdpa_mask"))
+    assert_same_loss_and_grads(gpt, got, want)
+
+
 def small_gpt_and_batch(masked: bool = True, **model):
     """A 2-layer GPT at GPT-2's vocabulary on the GPU (seed 0) and a loss_sum batch of 4 x 512
     tokens, 10% of them masked out of the loss unless `masked` is False."""
