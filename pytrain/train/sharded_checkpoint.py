@@ -135,6 +135,9 @@ class ShardedWriter(checkpoint.BackgroundWrite):
     def __init__(self) -> None:
         super().__init__()
         self._group: Any = None  # the gloo group of DCP's collectives, made at the first save
+        self._writer: Any = (
+            None  # one FileSystemWriter for every save: it keeps the staging buffers
+        )
 
     def submit(self, run_dir: Path, step: int, model, optimizer, rest: dict, is_main: bool,
                barrier, keep: int) -> Path:  # fmt: skip
@@ -147,8 +150,13 @@ class ShardedWriter(checkpoint.BackgroundWrite):
         final, tmp = _start(run_dir, step, is_main, barrier)
         t0 = time.perf_counter()
         try:
-            got = dcp.async_save(tensors, process_group=self._group,
-                                 storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True))  # fmt: skip
+            if self._writer is None:
+                # Staging into pinned host buffers kept from save to save (on a GPU host):
+                # the loop waits for a device-to-host copy, not for allocating 1-50 GB.
+                self._writer = dcp.FileSystemWriter(str(tmp), sync_files=True,
+                                                    cache_staged_state_dict=torch.cuda.is_available())  # fmt: skip
+            got = dcp.async_save(tensors, checkpoint_id=str(tmp), storage_writer=self._writer,
+                                 process_group=self._group)  # fmt: skip
         except BaseException as e:
             raise _failed(e, tmp, final, is_main) from None
         upload: Any = getattr(got, "upload_completion", got)  # a Future, or a response holding it
