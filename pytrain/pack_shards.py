@@ -4,6 +4,8 @@
     pack-shards import FILE.bin... -o OUT [--vocab-size N | --tokenizer tokenizer.json]
     pack-shards verify DATASET
     pack-shards inspect DATASET [--plot lengths.png]
+    pack-shards INPUT... -o OUT --task I --tasks N   (one of N tasks, on any machine)
+    pack-shards merge OUT                            (then one dataset of the N parts)
 
 Every token of every document is kept: a tokenizer.json's truncation and padding are
 switched off for packing, its post-processor template adds nothing
@@ -91,6 +93,10 @@ def _pack_parser() -> argparse.ArgumentParser:
         default=os.cpu_count(),
         help="tokenizer threads (output does not depend on it)",
     )
+    p.add_argument("--task", type=int, default=None,
+                   help="pack only part I of --tasks N (0-based) into OUT/part-I-of-N/; "
+                   "`pack-shards merge OUT` joins the parts (pytrain/data/parts.py)")  # fmt: skip
+    p.add_argument("--tasks", type=int, default=None, help="how many tasks share the inputs")
     _add_output_args(p)
     return p
 
@@ -143,8 +149,11 @@ def pack_main(argv: list[str]) -> int:
     _check_zstd_level(parser, args.zstd_level)
     if args.eos_token is not None and not args.eos:
         parser.error("--eos-token names the token --no-eos leaves out; give one or the other")
+    if (args.task is None) != (args.tasks is None) or (args.tasks is not None and args.tasks < 1):
+        parser.error("--task I and --tasks N come together (N >= 1, 0 <= I < N)")
     _set_workers(args.workers)
     from pytrain.data.inputs import BadInputs, InputError, ReadOptions
+    from pytrain.data.parts import PartError, pack_part
     from pytrain.data.shards import DatasetExistsError, PackOptions, iter_documents, pack
     from pytrain.data.tokenizer import TokenizerError
 
@@ -164,21 +173,30 @@ def pack_main(argv: list[str]) -> int:
         on_bad_input=args.on_bad_input,
     )
     bad = BadInputs(args.on_bad_input)
-    docs = iter_documents(
-        args.inputs, ReadOptions(text_field=args.text_field, txt_per_line=args.txt_per_line), bad
-    )
+    read = ReadOptions(text_field=args.text_field, txt_per_line=args.txt_per_line)
     show = sys.stderr.isatty() if args.progress is None else args.progress
     bar = _progress_bar() if show else None
     try:
-        report = pack(
-            docs, args.output, opts, overwrite=args.overwrite, progress=bar,
-            say=bar.write if bar else _say, bad=bad,
-        )  # fmt: skip
+        if args.tasks is not None:
+            report = pack_part(args.inputs, args.output, args.task, args.tasks, opts, read, bad,
+                               progress=bar, say=bar.write if bar else _say)  # fmt: skip
+            if report is None:
+                _close(bar)
+                print(
+                    f"task {args.task} of {args.tasks}: its part is complete already; nothing written"
+                )
+                return 0
+        else:
+            docs = iter_documents(args.inputs, read, bad)
+            report = pack(
+                docs, args.output, opts, overwrite=args.overwrite, progress=bar,
+                say=bar.write if bar else _say, bad=bad,
+            )  # fmt: skip
     except DatasetExistsError as e:
         _close(bar)
         print(f"pack-shards: {e}", file=sys.stderr)
         return EXIT_EXISTS
-    except (InputError, TokenizerError, ValueError, OSError) as e:
+    except (InputError, TokenizerError, PartError, ValueError, OSError) as e:
         _close(bar)  # ends the bar's line, so the error starts a line of its own
         print(f"pack-shards: error: {e}", file=sys.stderr)
         print("pack-shards: nothing was written to the output directory", file=sys.stderr)
@@ -392,6 +410,26 @@ def import_main(argv: list[str]) -> int:
     return 0
 
 
+def merge_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="pack-shards merge",
+        description="One dataset from the parts that `--task I --tasks N` wrote into OUT (no shard is copied).",
+    )
+    p.add_argument("output", type=Path, help="the directory the tasks wrote their parts into")
+    args = p.parse_args(argv)
+    from pytrain.data.parts import PartError, merge
+
+    try:
+        m = merge(args.output)
+    except (PartError, OSError, ValueError) as e:
+        print(f"pack-shards: error: {e}", file=sys.stderr)
+        return EXIT_INPUT
+    t = m["totals"]
+    print(f"merged {m['parts']} part(s): {t['documents']:,} documents, {t['tokens']:,} tokens, "
+          f"{len(m['shards'])} shard(s) -> {args.output}")  # fmt: skip
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "import":
@@ -400,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
         return verify_main(argv[1:])
     if argv and argv[0] == "inspect":
         return inspect_main(argv[1:])
+    if argv and argv[0] == "merge":
+        return merge_main(argv[1:])
     return pack_main(argv)
 
 

@@ -126,16 +126,17 @@ def _supported(p: Path) -> bool:
 
 
 def read_documents(
-    path: Path, opts: ReadOptions, bad: BadInputs | None = None
+    path: Path, opts: ReadOptions, bad: BadInputs | None = None, row_group: int | None = None
 ) -> Iterator[tuple[str, str]]:
-    """Yields (location, text) for every document of `path`. A bad document goes to `bad`
-    (raises by default); a file that cannot be read on (damaged compression, I/O error)
-    goes to `bad` once, after the documents read before the damage."""
+    """Yields (location, text) for every document of `path` (of one parquet row group, with
+    its rows numbered as in the whole file). A bad document goes to `bad` (raises by
+    default); a file that cannot be read on (damaged compression, I/O error) goes to `bad`
+    once, after the documents read before the damage."""
     on_bad = bad if bad is not None else _stop
     name = path.name
     try:
         if name.endswith(".parquet"):
-            yield from _parquet(path, opts, on_bad)
+            yield from _parquet(path, opts, on_bad, row_group)
         elif name.endswith(".txt"):
             yield from _txt(path, opts, on_bad)
         else:
@@ -223,24 +224,43 @@ PARQUET_BATCH_ROWS = 1024
 """Rows converted to Python at a time; pyarrow decodes one row group's column at a time."""
 
 
-def _parquet(path: Path, opts: ReadOptions, on_bad) -> Iterator[tuple[str, str]]:
+def parquet_row_groups(path: Path) -> list[int]:
+    """The uncompressed bytes of each row group of a parquet file (pack-shards' tasks
+    split parquet inputs by row group)."""
+    pf = _parquet_file(path)
+    return [pf.metadata.row_group(i).total_byte_size for i in range(pf.metadata.num_row_groups)]
+
+
+def _parquet_file(path: Path):
     optional("pyarrow", "parquet", f"{path}: reading .parquet")
     import pyarrow.parquet as pq
 
     try:
         # No pre-buffering: read the text column of one row group at a time, so memory
         # is bounded by a row group, not by the file (FineWeb files are 1-2 GB).
-        pf = pq.ParquetFile(path, pre_buffer=False)
+        return pq.ParquetFile(path, pre_buffer=False)
     except Exception as e:  # pyarrow raises its own ArrowInvalid
         raise InputError(f"{path}: not a readable parquet file: {e}") from e
+
+
+def _parquet(
+    path: Path, opts: ReadOptions, on_bad, row_group: int | None = None
+) -> Iterator[tuple[str, str]]:
+    pf = _parquet_file(path)
     if opts.text_field not in pf.schema_arrow.names:
         raise InputError(
             f"{path}: no column {opts.text_field!r} (columns: {', '.join(pf.schema_arrow.names)}; "
             "choose one with --text-field)"
         )
-    row = 0
+    row, groups = 0, None
+    if row_group is not None:
+        row = sum(pf.metadata.row_group(i).num_rows for i in range(row_group))
+        groups = [row_group]
     for batch in pf.iter_batches(
-        batch_size=PARQUET_BATCH_ROWS, columns=[opts.text_field], use_threads=False
+        batch_size=PARQUET_BATCH_ROWS,
+        row_groups=groups,
+        columns=[opts.text_field],
+        use_threads=False,
     ):
         for text in batch.column(0).to_pylist():
             row += 1

@@ -76,6 +76,9 @@ class PackReport:
     shards: list[dict] = field(default_factory=list)
     seconds: float = 0.0
     bad: BadInputs | None = None
+    part: dict | None = None
+    """For a part written by one of several tasks (pytrain.data.parts): which one and what
+    it read; recorded in its manifest."""
 
 
 def choose_dtype(info: TokenizerInfo, requested: str) -> str:
@@ -189,10 +192,12 @@ def pack(
     progress: Callable[[PackReport], None] | None = None,
     say: Callable[[str], None] | None = None,
     bad: BadInputs | None = None,
+    part: dict | None = None,
 ) -> PackReport:
     """Tokenizes `docs` ((location, text) pairs) and writes a dataset at `out_dir`, atomically.
     `say` hears which end/begin tokens were chosen and which file settings were switched
-    off; `bad` is the record of skipped inputs `docs` was read with (for the manifest)."""
+    off; `bad` is the record of skipped inputs `docs` was read with (for the manifest);
+    `part` makes it one task's part of a dataset (it may then hold no document)."""
     tok, info = packing_tokenizer(opts)
     if say:
         for line in tokenizer_choices(info, opts):
@@ -201,7 +206,7 @@ def pack(
     batches = encoded_batches(tok, docs, info, opts)
     return write_dataset(
         batches, out_dir, info, dtype, opts, overwrite=overwrite, progress=progress,
-        tokenizer=tok, bad=bad,
+        tokenizer=tok, bad=bad, part=part,
     )  # fmt: skip
 
 
@@ -310,6 +315,7 @@ def write_dataset(
     progress: Callable[[PackReport], None] | None = None,
     tokenizer=None,
     bad: BadInputs | None = None,
+    part: dict | None = None,
 ) -> PackReport:
     """Writes already tokenized batches as a dataset: into a temporary sibling directory,
     renamed into place only once shards, tokenizer and manifest are complete and synced."""
@@ -321,8 +327,8 @@ def write_dataset(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        report = _write_shards(batches, tmp, dtype, opts, progress)
-        report.bad = bad
+        report = _write_shards(batches, tmp, dtype, opts, progress, empty_ok=part is not None)
+        report.bad, report.part = bad, part
         if tokenizer is not None:
             tokenizer.save(str(tmp / "tokenizer.json"))
         _write_manifest(tmp, info, dtype, opts, report)
@@ -334,8 +340,9 @@ def write_dataset(
 
 
 def _write_shards(
-    batches: Iterable[TokenBatch], tmp: Path, dtype: str, opts: PackOptions, progress
-):
+    batches: Iterable[TokenBatch], tmp: Path, dtype: str, opts: PackOptions, progress,
+    empty_ok: bool = False,
+):  # fmt: skip
     report = PackReport()
     t0 = time.perf_counter()
     frame_bytes = int(opts.frame_mib * (1 << 20))
@@ -373,7 +380,7 @@ def _write_shards(
             progress(report)
     close_shard()
     report.seconds = time.perf_counter() - t0
-    if not report.shards:
+    if not report.shards and not empty_ok:
         raise ValueError("no non-empty documents in the input")
     return report
 
@@ -394,6 +401,8 @@ def _write_manifest(tmp: Path, info: TokenizerInfo, dtype: str, opts: PackOption
     }
     if r.bad is not None:
         fields["bad_input"] = r.bad.to_json()
+    if r.part is not None:
+        fields["part"] = r.part
     _loader.write_manifest(str(tmp), json.dumps(fields))
 
 

@@ -1,0 +1,136 @@
+"""pack-shards on many workers: tokens/s of 1, 2, 4, 8 Ray workers (each with the same
+cores) packing parts and merging them, against one `pack-shards` process given the same cores
+in total, on real text (Python sources of this machine's site-packages as JSONL files) with
+the embedded default's tokenizer.json (a byte-level BPE trained by `tokenizers`).
+
+    PYTHONPATH=$PWD python scripts/bench_pack_parts.py [--workers 1,2,4,8] [--cores-per-worker 2] [--mb 400]
+
+Each Ray worker is a task with --cores-per-worker CPUs (and as many tokenizer threads);
+there are 4 tasks per worker so that an early finisher takes another part. Wall time
+includes the merge. Scaling is tokens/s over W x the one-worker figure (goal >= 0.9 up to 8
+workers). A table is printed last."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def corpus(work: Path, mb: float, files: int) -> Path:
+    """JSONL files of real text, about `mb` MB in all."""
+    raw = work / "raw"
+    if raw.exists():
+        return raw
+    raw.mkdir(parents=True)
+    sources = sorted(
+        p
+        for p in Path(sysconfig.get_paths()["purelib"]).rglob("*.py")
+        if 0 < p.stat().st_size < 500_000
+    )
+    outs = [open(raw / f"part-{i:03d}.jsonl", "w") for i in range(files)]
+    total, i = 0, 0
+    while (
+        total < mb * 1e6
+    ):  # round after round over the sources (a bigger corpus than the machine has)
+        for p in sources:
+            text = p.read_text(encoding="utf-8", errors="replace")
+            outs[i % files].write(json.dumps({"text": text}) + "\n")
+            total, i = total + len(text), i + 1
+            if total >= mb * 1e6:
+                break
+    for f in outs:
+        f.close()
+    return raw
+
+
+def tokens(dataset: Path) -> int:
+    return json.loads((dataset / "manifest.json").read_text())["totals"]["tokens"]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--workers", default="1,2,4,8")
+    p.add_argument("--cores-per-worker", type=int, default=2)
+    p.add_argument("--mb", type=float, default=400.0)
+    p.add_argument("--files", type=int, default=64)
+    p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "pytrain-bench-parts")
+    args = p.parse_args()
+    import ray
+
+    from pytrain.data.corpus import build_default
+
+    work = args.work
+    work.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("PYTRAIN_CACHE", str(work / "cache"))
+    tok = str(build_default()[0].parent / "tokenizer.json")
+    raw = corpus(work, args.mb, args.files)
+    mb = sum(f.stat().st_size for f in raw.iterdir()) / 1e6
+    k = args.cores_per_worker
+    rows = []
+    for w in (int(x) for x in args.workers.split(",")):
+        # One process with the same cores.
+        out = work / f"single-{w}"
+        shutil.rmtree(out, ignore_errors=True)
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "pytrain.pack_shards", str(raw), "-o", str(out), "--tokenizer", tok,
+                        "--workers", str(w * k), "--no-progress"], check=True, capture_output=True)  # fmt: skip
+        single = tokens(out) / (time.perf_counter() - t0)
+        # W Ray workers of k cores, 4 tasks each, then the merge.
+        out = work / f"ray-{w}"
+        shutil.rmtree(out, ignore_errors=True)
+        ray.init(num_cpus=w * k, include_dashboard=False)
+        try:
+            n = 4 * w
+
+            @ray.remote(num_cpus=k, runtime_env={"env_vars": {"RAYON_NUM_THREADS": str(k)}})
+            def task(i: int, n: int, out: Path) -> None:
+                from pytrain.data.inputs import BadInputs, ReadOptions
+                from pytrain.data.parts import pack_part
+                from pytrain.data.shards import PackOptions
+
+                pack_part(
+                    [str(raw)], out, i, n, PackOptions(tokenizer=tok), ReadOptions(), BadInputs()
+                )
+
+            t0 = time.perf_counter()
+            ray.get([task.remote(i, n, out) for i in range(n)])
+            from pytrain.data.parts import merge
+
+            merge(out)
+            parts = tokens(out) / (time.perf_counter() - t0)
+        finally:
+            ray.shutdown()
+        rows.append((w, w * k, single, parts))
+        print(
+            f"[{w} worker(s)] single {single / 1e6:.2f} M tokens/s, Ray {parts / 1e6:.2f} M tokens/s",
+            flush=True,
+        )
+    base = rows[0][3] / rows[0][0]
+    print(f"\npack-shards on Ray workers, {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, {mb:.0f} MB of JSONL "
+          f"in {args.files} files, {k} cores a worker\n")  # fmt: skip
+    print(
+        "| workers | cores | one pack-shards M tok/s | Ray workers M tok/s | Ray / one process | scaling vs 1 worker |"
+    )
+    print("|---|---|---|---|---|---|")
+    for w, cores, single, parts in rows:
+        print(
+            f"| {w} | {cores} | {single / 1e6:.2f} | {parts / 1e6:.2f} | {parts / single:.2f} | {parts / (w * base):.2f} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
