@@ -76,7 +76,8 @@ def final_report(trainer, result: dict, seconds: float) -> None:
         f"loader padding {pad:.2%}, data wait {stats['wait_s']:.2f}s; skipped steps {result['skipped']}; "
         f"compile fallbacks {len(result['fallbacks'])}"
         + (
-            f"; peak GPU memory {torch.cuda.max_memory_allocated(trainer.device) / 1e9:.1f} GB"
+            f"; peak GPU memory {torch.cuda.max_memory_allocated(trainer.device) / 1e9:.1f} GB "
+            f"({torch.cuda.max_memory_reserved(trainer.device) / 2**30:.2f} GiB reserved)"
             if trainer.device.type == "cuda"
             else ""
         )
