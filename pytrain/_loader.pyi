@@ -110,6 +110,8 @@ class Loader:
     ) -> Self:
         """`config`: pytrain.config.LoaderConfig, read by attribute name. `datasets`: one,
         or a mixture's sources; `schedule`: (first global item, weight per source) per stage."""
+    def shutdown(self) -> None:
+        """Stops the threads and waits for them, without the GIL."""
     def next(self) -> ReadyBatch | None:
         """The next filled slot, or None after the last epoch. Slots are (tokens, doc_ids)
         CPU tensors: tokens of the dataset's width (uint16 or int32), doc_ids int32."""

@@ -106,9 +106,19 @@ fn manifest_err(path: &Path, detail: impl Into<String>) -> Error {
 
 impl Dataset {
     /// Opens `dir`, maps every shard and checks each against the manifest's counts.
+    /// Opens the dataset at `dir`: a local directory, or an `s3://bucket/prefix` URL
+    /// (crate::storage), whose manifest is read whole and each shard's footer and index by
+    /// ranged requests.
     pub fn open(dir: &Path) -> Result<Self> {
         let mpath = dir.join(MANIFEST);
-        let bytes = std::fs::read(&mpath).map_err(|e| Error::io(&mpath, e))?;
+        let remote = match dir.to_str() {
+            Some(url) if crate::storage::is_remote(url) => Some(crate::storage::Remote::open(url)?),
+            _ => None,
+        };
+        let bytes = match &remote {
+            Some(r) => r.get(MANIFEST)?,
+            None => std::fs::read(&mpath).map_err(|e| Error::io(&mpath, e))?,
+        };
         let manifest: Manifest =
             serde_json::from_slice(&bytes).map_err(|e| manifest_err(&mpath, e.to_string()))?;
         if manifest.format != FORMAT_NAME {
@@ -139,7 +149,10 @@ impl Dataset {
         let mut shards = Vec::with_capacity(manifest.shards.len());
         let mut frames = Vec::new();
         for (si, ms) in manifest.shards.iter().enumerate() {
-            let reader = ShardReader::open(&dir.join(&ms.file))?;
+            let reader = match &remote {
+                Some(r) => ShardReader::open_remote(r.clone(), &ms.file, ms.bytes)?,
+                None => ShardReader::open(&dir.join(&ms.file))?,
+            };
             let field = |name: &str, want: u64, got: u64| -> Result<()> {
                 if want == got {
                     Ok(())

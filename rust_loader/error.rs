@@ -23,6 +23,10 @@ pub enum Error {
     /// A saved loader state that does not fit this dataset or configuration.
     #[error("cannot load loader state: {0}")]
     State(String),
+    /// An object of a remote dataset that could not be read (after the object store's
+    /// retries): the object's URL, the part (frame, index) and why; never a credential.
+    #[error("{object}: {detail}")]
+    Remote { object: String, detail: String },
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
     /// A bug: a panic caught at a thread or binding boundary.

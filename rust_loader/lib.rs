@@ -15,6 +15,7 @@ pub mod robustness;
 pub mod rows;
 pub mod shard_reader;
 pub mod shard_writer;
+pub mod storage;
 pub mod synthetic;
 
 #[cfg(feature = "python")]

@@ -392,8 +392,8 @@ pub struct Loader {
     slots: Arc<Vec<SlotBuffers>>,
     ready_rx: Receiver<Message>,
     free_tx: Sender<usize>,
-    stop_tx: Option<Sender<()>>,
-    threads: Vec<JoinHandle<()>>,
+    stop_tx: Mutex<Option<Sender<()>>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
     held: Mutex<HashSet<usize>>,
     state: Mutex<ConsumerState>,
 }
@@ -559,8 +559,8 @@ impl Loader {
             slots,
             ready_rx,
             free_tx,
-            stop_tx: Some(stop_tx),
-            threads,
+            stop_tx: Mutex::new(Some(stop_tx)),
+            threads: Mutex::new(threads),
             held: Mutex::new(HashSet::new()),
             state: Mutex::new(ConsumerState {
                 position: start,
@@ -691,16 +691,26 @@ impl Loader {
     }
 }
 
-impl Drop for Loader {
-    fn drop(&mut self) {
+impl Loader {
+    /// Stops the threads and waits for them (a worker finishes the block it is reading:
+    /// for a remote dataset, its requests in flight). Idempotent; the bindings call it
+    /// without the GIL, so that a worker waiting on I/O never waits on Python too.
+    pub fn shutdown(&self) {
         self.shared.stop.store(true, Ordering::SeqCst);
-        self.stop_tx.take();
+        self.stop_tx.lock().unwrap().take();
         // Take the lock so that no worker is between its stop check and its wait.
         drop(self.shared.produced.lock().unwrap());
         self.shared.cv.notify_all();
-        for t in self.threads.drain(..) {
+        let threads: Vec<_> = self.threads.lock().unwrap().drain(..).collect();
+        for t in threads {
             let _ = t.join();
         }
+    }
+}
+
+impl Drop for Loader {
+    fn drop(&mut self) {
+        self.shutdown();
     }
 }
 

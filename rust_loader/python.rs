@@ -55,6 +55,8 @@ fn to_py(e: Error) -> PyErr {
         },
         Error::CorruptShard { .. } => CorruptShardError::new_err(msg),
         Error::Manifest { .. } => ManifestError::new_err(msg),
+        // A remote object that could not be read after the object store's retries.
+        Error::Remote { .. } => PyOSError::new_err(msg),
         Error::State(_) => StateError::new_err(msg),
         Error::InvalidArgument(_) => PyValueError::new_err(msg),
         Error::Internal(_) => LoaderError::new_err(msg),
@@ -520,6 +522,12 @@ impl PyLoader {
         };
         let inner = run(py, move || Loader::new(ds, config, bufs, start))?;
         Ok(PyLoader { inner })
+    }
+
+    /// Stops the threads and waits for them, without the GIL (a worker may be waiting on a
+    /// remote read); the loader gives no batch after it. Idempotent.
+    fn shutdown(&self, py: Python<'_>) {
+        py.detach(|| self.inner.shutdown());
     }
 
     /// Blocks (without the GIL) until a batch is ready; None after the last epoch.

@@ -1,7 +1,11 @@
-//! Reads one memory-mapped shard: the footer and index are validated on open; a frame's
-//! checksum is verified each time it is decoded.
+//! Reads one shard: memory-mapped from the local disk, or from an object store by ranged
+//! requests (footer and index once, at open; each frame when it is decoded). The footer and
+//! index are validated on open; a frame's checksum is verified each time it is decoded,
+//! wherever its bytes came from.
+use std::borrow::Cow;
 use std::fs::File;
 use std::path::Path;
+use std::sync::Arc;
 
 use memmap2::Mmap;
 
@@ -10,15 +14,29 @@ use crate::format::{
     checksum, read_u32, read_u64, Footer, FrameEntry, TokenDtype, FOOTER_LEN, FRAME_ENTRY_LEN,
     INDEX_HEADER_LEN,
 };
+use crate::storage::Remote;
+
+enum Source {
+    Mapped(Mmap),
+    /// An object of a remote directory: its name there and its index, read at open.
+    Remote {
+        remote: Arc<Remote>,
+        file: String,
+        index: Vec<u8>,
+    },
+}
 
 pub struct ShardReader {
     name: String,
-    mmap: Mmap,
+    source: Source,
     dtype: TokenDtype,
     frames: Vec<FrameEntry>,
-    /// Byte offset in the file of the per-document lengths (u32 each).
+    /// Byte offset in the file of the index.
+    index_at: usize,
+    /// Byte offset in the index of the per-document lengths (u32 each).
     doc_lengths_at: usize,
     n_docs: u64,
+    file_len: u64,
 }
 
 impl ShardReader {
@@ -33,71 +51,32 @@ impl ShardReader {
         // rename into place. A file truncated by another process underneath us could raise
         // SIGBUS; that is the documented contract of every mmap-based reader.
         let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
-        Self::from_mmap(name, mmap)
+        let footer = Footer::parse(&mmap, &name)?;
+        let (start, end) = index_bounds(&footer, mmap.len() as u64, &name)?;
+        let index = &mmap[start..end];
+        let parsed = parse_index(&footer, index, &name)?;
+        let file_len = mmap.len() as u64;
+        Ok(parsed.into_reader(name, Source::Mapped(mmap), footer, start, file_len))
     }
 
-    fn from_mmap(name: String, mmap: Mmap) -> Result<Self> {
-        let footer = Footer::parse(&mmap, &name)?;
-        let body_len = (mmap.len() - FOOTER_LEN) as u64;
-        let index_end = footer.index_offset.checked_add(footer.index_len);
-        if index_end != Some(body_len) || footer.index_len < INDEX_HEADER_LEN as u64 {
-            return Err(Error::corrupt(
-                &name,
-                None,
-                "index location in footer does not match file size",
-            ));
+    /// Opens object `file` of a remote directory, `file_len` bytes long (as its manifest
+    /// says): two ranged reads, the footer, then the index.
+    pub fn open_remote(remote: Arc<Remote>, file: &str, file_len: u64) -> Result<Self> {
+        let name = remote.url_of(file);
+        if file_len < FOOTER_LEN as u64 {
+            return Err(Error::corrupt(&name, None, "file shorter than the footer"));
         }
-        let index = &mmap[footer.index_offset as usize..body_len as usize];
-        if checksum(index) != footer.index_checksum {
-            return Err(Error::corrupt(&name, None, "index checksum mismatch"));
-        }
-        let n_frames = read_u64(index, 0);
-        let n_docs = read_u64(index, 8);
-        let expect = (INDEX_HEADER_LEN as u64)
-            .checked_add(n_frames.saturating_mul(FRAME_ENTRY_LEN as u64))
-            .and_then(|v| v.checked_add(n_docs.saturating_mul(4)));
-        if expect != Some(footer.index_len) {
-            return Err(Error::corrupt(
-                &name,
-                None,
-                "index length disagrees with its frame and document counts",
-            ));
-        }
-        let frames: Vec<FrameEntry> = (0..n_frames as usize)
-            .map(|i| FrameEntry::from_bytes(&index[INDEX_HEADER_LEN + i * FRAME_ENTRY_LEN..]))
-            .collect();
-        let mut next_doc = 0u64;
-        for (i, f) in frames.iter().enumerate() {
-            let end = f.offset.checked_add(f.compressed_len);
-            if end.is_none_or(|e| e > footer.index_offset)
-                || f.first_doc != next_doc
-                || f.n_docs == 0
-            {
-                return Err(Error::corrupt(
-                    &name,
-                    Some(i),
-                    "frame entry out of bounds or out of order",
-                ));
-            }
-            next_doc += f.n_docs;
-        }
-        if next_doc != n_docs {
-            return Err(Error::corrupt(
-                &name,
-                None,
-                "frames do not cover every document",
-            ));
-        }
-        let doc_lengths_at =
-            footer.index_offset as usize + INDEX_HEADER_LEN + n_frames as usize * FRAME_ENTRY_LEN;
-        Ok(ShardReader {
-            name,
-            mmap,
-            dtype: footer.dtype,
-            frames,
-            doc_lengths_at,
-            n_docs,
-        })
+        let tail = remote.get_range(file, file_len - FOOTER_LEN as u64..file_len, "its footer")?;
+        let footer = Footer::parse(&tail, &name)?;
+        let (start, end) = index_bounds(&footer, file_len, &name)?;
+        let index = remote.get_range(file, start as u64..end as u64, "its index")?;
+        let parsed = parse_index(&footer, &index, &name)?;
+        let source = Source::Remote {
+            remote,
+            file: file.to_string(),
+            index,
+        };
+        Ok(parsed.into_reader(name, source, footer, start, file_len))
     }
 
     pub fn name(&self) -> &str {
@@ -116,19 +95,35 @@ impl ShardReader {
         self.frames.iter().map(|f| f.n_tokens).sum()
     }
     pub fn file_len(&self) -> u64 {
-        self.mmap.len() as u64
+        self.file_len
     }
 
-    /// Length in tokens of document `doc` (shard-local index), read from the mapped index.
+    fn index(&self) -> &[u8] {
+        match &self.source {
+            Source::Mapped(m) => &m[self.index_at..],
+            Source::Remote { index, .. } => index,
+        }
+    }
+
+    /// Length in tokens of document `doc` (shard-local index), read from the index.
     #[inline]
     pub fn doc_len(&self, doc: u64) -> u32 {
-        read_u32(&self.mmap, self.doc_lengths_at + 4 * doc as usize)
+        read_u32(self.index(), self.doc_lengths_at + 4 * doc as usize)
     }
 
-    /// The compressed bytes of frame `i`, exactly as stored (an ordinary zstd frame).
-    pub fn raw_frame(&self, i: usize) -> &[u8] {
+    /// The compressed bytes of frame `i`, exactly as stored (an ordinary zstd frame): a
+    /// view of the map, or one ranged read of the remote object.
+    pub fn raw_frame(&self, i: usize) -> Result<Cow<'_, [u8]>> {
         let f = &self.frames[i];
-        &self.mmap[f.offset as usize..(f.offset + f.compressed_len) as usize]
+        let (start, end) = (f.offset, f.offset + f.compressed_len);
+        match &self.source {
+            Source::Mapped(m) => Ok(Cow::Borrowed(&m[start as usize..end as usize])),
+            Source::Remote { remote, file, .. } => Ok(Cow::Owned(remote.get_range(
+                file,
+                start..end,
+                &format!("frame {i}"),
+            )?)),
+        }
     }
 
     /// Verifies the checksum of frame `i` and decompresses its tokens into `out`
@@ -146,7 +141,8 @@ impl ShardReader {
                 format!("shard has only {} frames", self.frames.len()),
             )
         })?;
-        let raw = self.raw_frame(i);
+        let raw = self.raw_frame(i)?;
+        let raw = raw.as_ref();
         if checksum(raw) != f.checksum {
             return Err(Error::corrupt(
                 &self.name,
@@ -203,7 +199,11 @@ impl ShardReader {
             self.decode_frame(i, &mut dec, &mut buf)?;
         }
         if let Some(want) = file_checksum {
-            if checksum(&self.mmap) != want {
+            let whole = match &self.source {
+                Source::Mapped(m) => Cow::Borrowed(&m[..]),
+                Source::Remote { remote, file, .. } => Cow::Owned(remote.get(file)?),
+            };
+            if checksum(&whole) != want {
                 return Err(Error::corrupt(
                     &self.name,
                     None,
@@ -213,4 +213,93 @@ impl ShardReader {
         }
         Ok(())
     }
+}
+
+/// Where the index lies in a file of `file_len` bytes: (start, end), checked against the
+/// footer's promise that it ends where the footer begins.
+fn index_bounds(footer: &Footer, file_len: u64, name: &str) -> Result<(usize, usize)> {
+    let body_len = file_len - FOOTER_LEN as u64;
+    let index_end = footer.index_offset.checked_add(footer.index_len);
+    if index_end != Some(body_len) || footer.index_len < INDEX_HEADER_LEN as u64 {
+        return Err(Error::corrupt(
+            name,
+            None,
+            "index location in footer does not match file size",
+        ));
+    }
+    Ok((footer.index_offset as usize, body_len as usize))
+}
+
+/// What the index says, validated: its checksum, counts, and every frame's bounds and order.
+struct ParsedIndex {
+    frames: Vec<FrameEntry>,
+    doc_lengths_at: usize,
+    n_docs: u64,
+}
+
+impl ParsedIndex {
+    fn into_reader(
+        self,
+        name: String,
+        source: Source,
+        footer: Footer,
+        index_at: usize,
+        file_len: u64,
+    ) -> ShardReader {
+        ShardReader {
+            name,
+            source,
+            dtype: footer.dtype,
+            frames: self.frames,
+            index_at,
+            doc_lengths_at: self.doc_lengths_at,
+            n_docs: self.n_docs,
+            file_len,
+        }
+    }
+}
+
+fn parse_index(footer: &Footer, index: &[u8], name: &str) -> Result<ParsedIndex> {
+    if checksum(index) != footer.index_checksum {
+        return Err(Error::corrupt(name, None, "index checksum mismatch"));
+    }
+    let n_frames = read_u64(index, 0);
+    let n_docs = read_u64(index, 8);
+    let expect = (INDEX_HEADER_LEN as u64)
+        .checked_add(n_frames.saturating_mul(FRAME_ENTRY_LEN as u64))
+        .and_then(|v| v.checked_add(n_docs.saturating_mul(4)));
+    if expect != Some(footer.index_len) {
+        return Err(Error::corrupt(
+            name,
+            None,
+            "index length disagrees with its frame and document counts",
+        ));
+    }
+    let frames: Vec<FrameEntry> = (0..n_frames as usize)
+        .map(|i| FrameEntry::from_bytes(&index[INDEX_HEADER_LEN + i * FRAME_ENTRY_LEN..]))
+        .collect();
+    let mut next_doc = 0u64;
+    for (i, f) in frames.iter().enumerate() {
+        let end = f.offset.checked_add(f.compressed_len);
+        if end.is_none_or(|e| e > footer.index_offset) || f.first_doc != next_doc || f.n_docs == 0 {
+            return Err(Error::corrupt(
+                name,
+                Some(i),
+                "frame entry out of bounds or out of order",
+            ));
+        }
+        next_doc += f.n_docs;
+    }
+    if next_doc != n_docs {
+        return Err(Error::corrupt(
+            name,
+            None,
+            "frames do not cover every document",
+        ));
+    }
+    Ok(ParsedIndex {
+        frames,
+        doc_lengths_at: INDEX_HEADER_LEN + n_frames as usize * FRAME_ENTRY_LEN,
+        n_docs,
+    })
 }

@@ -34,6 +34,21 @@ from pytrain.data.batch import CopyEvent, HostBatch
 __all__ = ["TokenLoader"]
 
 
+REMOTE_SCHEMES = ("s3://", "s3a://")
+"""Datasets read from object storage by the extension (rust_loader/storage.rs)."""
+
+
+def location(p: str | Path) -> str | Path:
+    """A local dataset directory as a Path; an object-storage URL as the string it is (a
+    Path would fold its '//')."""
+    return p if isinstance(p, str) and p.startswith(REMOTE_SCHEMES) else Path(p)
+
+
+def location_name(p: str | Path) -> str:
+    """The last component of a directory or URL: a single source's name."""
+    return str(p).rstrip("/").rsplit("/", 1)[-1]
+
+
 class TokenLoader:
     """Iterable of `HostBatch` over a token-shard dataset; see the module docstring.
 
@@ -57,8 +72,8 @@ class TokenLoader:
         if unknown:
             raise TypeError(f"TokenLoader has no option {unknown[0]!r}")
         self.config = dataclasses.replace(config, **overrides)
-        sources = dict(path) if isinstance(path, Mapping) else {Path(path).name: path}
-        self.sources = {name: Path(p) for name, p in sources.items()}
+        sources = dict(path) if isinstance(path, Mapping) else {location_name(path): path}
+        self.sources = {name: location(p) for name, p in sources.items()}
         self.names = list(self.sources)
         self.path = self.sources[self.names[0]]
         self.datasets = [_loader.Dataset(str(p)) for p in self.sources.values()]
@@ -227,6 +242,7 @@ class TokenLoader:
         """Waits for copies in flight, then stops the loader threads."""
         if self._inner is not None:
             self._reclaim(keep=0)
+            self._inner.shutdown()  # joins the threads without the GIL
         self._inner = None
 
     def __enter__(self) -> TokenLoader:

@@ -1,0 +1,124 @@
+//! Where a dataset's bytes come from: the local disk (memory-mapped by the shard reader) or
+//! an S3-compatible object store (AWS S3, MinIO, R2, GCS's S3 API, ...), read with ranged
+//! GETs through the `object_store` crate (Apache Arrow's), which brings the standard AWS
+//! configuration and retries with backoff and jitter for timeouts, 5xx, throttling and cut
+//! connections. Only where bytes come from changes: order, packing, state and checksums stay
+//! the shard reader's and the loader's.
+//!
+//! Configuration is the standard AWS environment: `AWS_ACCESS_KEY_ID`,
+//! `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`, `AWS_REGION` / `AWS_DEFAULT_REGION`,
+//! `AWS_ENDPOINT_URL` (a non-AWS server), `AWS_ALLOW_HTTP=true` (a plain-HTTP endpoint).
+//! Nothing that holds a secret is ever printed: errors name the object and the frame.
+use std::ops::Range;
+use std::sync::{Arc, OnceLock};
+
+use object_store::aws::AmazonS3Builder;
+use object_store::path::Path as ObjectPath;
+use object_store::{ObjectStore, ObjectStoreExt};
+
+use crate::error::{Error, Result};
+
+/// The URL schemes read from object storage.
+pub const REMOTE_SCHEMES: [&str; 2] = ["s3://", "s3a://"];
+
+pub fn is_remote(location: &str) -> bool {
+    REMOTE_SCHEMES.iter().any(|s| location.starts_with(s))
+}
+
+/// A dataset's directory in an object store.
+pub struct Remote {
+    store: Arc<dyn ObjectStore>,
+    /// The directory's key prefix inside the bucket.
+    prefix: String,
+    /// The URL as given, for messages.
+    url: String,
+}
+
+/// One runtime for every remote read of the process: requests are started from the
+/// loader's worker threads (plain threads) with `block_on`, several in flight at once.
+fn runtime() -> &'static tokio::runtime::Runtime {
+    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    RT.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("object-store")
+            .enable_all()
+            .build()
+            .expect("a tokio runtime for object storage")
+    })
+}
+
+impl Remote {
+    /// `url`: `s3://bucket/prefix` (the dataset's directory).
+    pub fn open(url: &str) -> Result<Arc<Self>> {
+        let url = url.trim_end_matches('/').to_string();
+        let rest = REMOTE_SCHEMES
+            .iter()
+            .find_map(|s| url.strip_prefix(s))
+            .ok_or_else(|| Error::InvalidArgument(format!("{url}: not an s3:// URL")))?;
+        let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+        let store = AmazonS3Builder::from_env()
+            .with_bucket_name(bucket)
+            .build()
+            .map_err(|e| Error::Remote {
+                object: url.clone(),
+                detail: format!("cannot configure S3 access: {e}"),
+            })?;
+        Ok(Arc::new(Remote {
+            store: Arc::new(store),
+            prefix: prefix.to_string(),
+            url,
+        }))
+    }
+
+    fn key(&self, name: &str) -> ObjectPath {
+        if self.prefix.is_empty() {
+            ObjectPath::from(name)
+        } else {
+            ObjectPath::from(format!("{}/{name}", self.prefix))
+        }
+    }
+
+    /// The URL of object `name` of this directory (for messages).
+    pub fn url_of(&self, name: &str) -> String {
+        format!("{}/{name}", self.url)
+    }
+
+    fn err(&self, name: &str, what: &str, e: object_store::Error) -> Error {
+        let detail = match e {
+            object_store::Error::NotFound { .. } => format!("{what}: no such object"),
+            other => format!("{what}: {other}"),
+        };
+        Error::Remote {
+            object: self.url_of(name),
+            detail,
+        }
+    }
+
+    /// The whole object `name`.
+    pub fn get(&self, name: &str) -> Result<Vec<u8>> {
+        let key = self.key(name);
+        let got = runtime().block_on(async {
+            let r = self.store.get(&key).await?;
+            r.bytes().await
+        });
+        got.map(|b| b.to_vec())
+            .map_err(|e| self.err(name, "reading it", e))
+    }
+
+    /// Bytes `range` of object `name` (`what` says which part, for messages).
+    pub fn get_range(&self, name: &str, range: Range<u64>, what: &str) -> Result<Vec<u8>> {
+        let key = self.key(name);
+        let want = range.end - range.start;
+        let got = runtime()
+            .block_on(self.store.get_range(&key, range))
+            .map_err(|e| self.err(name, what, e))?;
+        if got.len() as u64 != want {
+            return Err(Error::Remote {
+                object: self.url_of(name),
+                detail: format!("{what}: got {} bytes, asked for {want}", got.len()),
+            });
+        }
+        Ok(got.to_vec())
+    }
+}
