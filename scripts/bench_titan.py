@@ -1,6 +1,10 @@
 """Llama-3.2-1B's shape on one GPU, side by side with torchtitan, in one command.
 
-    PYTHONPATH=$PWD python scripts/bench_titan.py --titan-site DIR [--seq 2048,4096] [--steps 40]
+    PYTHONPATH=$PWD python scripts/bench_titan.py --titan-site DIR --tokenizer tokenizer.json \
+        --text corpus.jsonl [--seq 2048,4096] [--steps 40]
+
+DIR holds torchtitan and its dependencies as pinned in scripts/bench_titan.requirements.txt
+(`pip install --no-deps --target DIR` of those wheels; the GPU hosts have no network).
 
 torchtitan runs through its own trainer (`torchtitan.train` under torchrun) from its PyPI
 wheel 0.2.2 (installed into DIR with its dependencies: the newest, 0.3.0, needs a newer torch
