@@ -10,6 +10,7 @@ import errno
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,7 +26,23 @@ from pytrain.train.run_lock import RunDirInUse, RunLock
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-_ports = iter(range(29700 + os.getpid() % 50 * 4, 29900))  # a fresh port per torchrun
+
+
+def _free_ports():
+    """A fresh port per torchrun: below the OS's ephemeral range (where a client connection
+    could take a port between our check and torchrun's bind), skipping ports in use, from a
+    PID-dependent start so that concurrent test runs rarely meet."""
+    start = 20000 + os.getpid() % 1000 * 10
+    for port in [*range(start, 32000), *range(20000, start)]:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        yield port
+
+
+_ports = _free_ports()
 
 
 def train_cmd(
