@@ -7,9 +7,9 @@ from typing_extensions import Self
 from pytrain.config import LoaderConfig
 
 __all__ = [
-    "FORMAT_VERSION", "LoaderError", "CorruptShardError", "ManifestError", "StateError",
+    "FORMAT_VERSION", "LoaderError", "CorruptShardError", "ManifestError", "StateError", "RemoteError",
     "ShardWriter", "Encoder", "Dataset", "Loader", "ReadyBatch", "write_synthetic",
-    "write_manifest",
+    "write_manifest", "read_file",
 ]  # fmt: skip
 
 FORMAT_VERSION: int
@@ -25,6 +25,9 @@ class ManifestError(LoaderError):
 
 class StateError(LoaderError):
     """A saved loader state does not fit this dataset or configuration."""
+
+class RemoteError(LoaderError):
+    """An object in object storage could not be read (after the store's retries), or is not there."""
 
 @final
 class ShardWriter:
@@ -120,6 +123,10 @@ class Loader:
     def stats(self) -> dict[str, Any]: ...
     @property
     def blocks_per_epoch(self) -> list[int]: ...
+
+def read_file(location: str, name: str) -> bytes | None:
+    """File `name` of the dataset directory `location` (a local path or an s3:// URL), or
+    None where it has none."""
 
 def write_manifest(path: str, fields: str) -> None:
     """Writes manifest.json (the format's one writer: format, version, totals set there)."""

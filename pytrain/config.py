@@ -193,8 +193,27 @@ class DataConfig(LoaderConfig):
         return out
 
 
-def dataset_dir(path: str, flag: str) -> Path:
-    """`path` if it is a dataset made by pack-shards, else a ConfigError naming it."""
+REMOTE_SCHEMES = ("s3://", "s3a://")
+"""Datasets read from object storage by the extension (rust_loader/storage.rs)."""
+
+
+def location(p: str | Path) -> str | Path:
+    """A local dataset directory as a Path; an object-storage URL as the string it is (a
+    Path would fold its '//')."""
+    return p if isinstance(p, str) and p.startswith(REMOTE_SCHEMES) else Path(p)
+
+
+def location_name(p: str | Path) -> str:
+    """The last component of a directory or URL: a single source's name."""
+    return str(p).rstrip("/").rsplit("/", 1)[-1]
+
+
+def dataset_dir(path: str, flag: str) -> Path | str:
+    """`path` if it is a dataset made by pack-shards, else a ConfigError naming it. An
+    object-storage URL (s3://) is kept as given; opening it checks it (one line naming the
+    object that cannot be read)."""
+    if path.startswith(REMOTE_SCHEMES):
+        return path
     p = Path(path)
     if not p.is_dir():
         raise ConfigError(f"{flag} {path}: no such directory")
@@ -221,6 +240,12 @@ class OptimConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0
     grad_accum: int = 1
+    """Micro-batches per optimizer step on each rank; 0: derived from tokens_per_step at the
+    run's world size (one preset then makes the same optimizer step on 1 GPU or 64)."""
+    tokens_per_step: int = 0
+    """With grad_accum = 0: tokens per optimizer step over all ranks. Each rank runs
+    tokens_per_step / (data.batch_size x data.seq_len x ranks) micro-batches, rounded to
+    the nearest whole number (at least 1; the start line says the step it gives)."""
     master_weights: str = "auto"
     """Keep the parameters in bf16 and their fp32 copies in the optimizer
     (pytrain.optim.master_adamw): 'auto' (on for bf16 on CUDA in one process), 'on', 'off'
@@ -287,8 +312,10 @@ class TrainConfig:
     """Resume from the latest valid checkpoint in runs/<name>/ if there is one."""
     activation_checkpointing: str = "off"
     """'off', 'full', or 'every-N' (every N-th block)."""
-    fsdp: bool = False
-    """Shard parameters with FSDP2 (fully_shard) instead of DDP when distributed."""
+    fsdp: bool | None = None
+    """Under torchrun: shard parameters, gradients and optimizer state with FSDP2 (--fsdp),
+    replicate the model on every rank (--no-fsdp), or unset (auto): FSDP2 where the training
+    state would take over a quarter of one GPU's memory (pytrain.train.parallel)."""
     dist_timeout_s: float = 120.0
     """Under torchrun, how long a collective waits for the other ranks once training runs
     (after the compile warm-up): a rank that died or hangs ends the job within this, not
@@ -471,6 +498,29 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         _set(cfg, key, value)
     check_choices(cfg)
     return cfg
+
+
+def derive_grad_accum(cfg: TrainConfig, world_size: int) -> str | None:
+    """Sets optim.grad_accum from optim.tokens_per_step where it is 0 (derived); returns a
+    line saying what it chose, or None where grad_accum was given."""
+    o, d = cfg.optim, cfg.data
+    if o.grad_accum > 0:
+        return None
+    if o.grad_accum < 0 or o.tokens_per_step <= 0:
+        raise ConfigError(
+            f"optim.grad_accum is {o.grad_accum}: set it to a number of micro-batches, or to 0 "
+            f"with optim.tokens_per_step > 0 (it is {o.tokens_per_step})"
+        )
+    per_micro_step = d.batch_size * d.seq_len * world_size
+    o.grad_accum = max(1, round(o.tokens_per_step / per_micro_step))
+    step = o.grad_accum * per_micro_step
+    exact = (
+        "" if step == o.tokens_per_step else f" (optim.tokens_per_step asks {o.tokens_per_step:,})"
+    )
+    return (
+        f"gradient accumulation: {o.grad_accum} micro-batches of {d.batch_size}x{d.seq_len} per rank "
+        f"x {world_size} rank(s) = {step:,} tokens per optimizer step{exact}"
+    )
 
 
 def check_choices(cfg: TrainConfig) -> None:

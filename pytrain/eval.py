@@ -20,9 +20,10 @@ def evaluate(model: str, data: list[str] | None, batches: int | None, device: st
     """`data` None: the run's own validation sets; `batches` None: its eval_batches."""
     import torch
 
-    from pytrain.config import ConfigError, DataConfig, dataset_dir
+    from pytrain.config import ConfigError, DataConfig, dataset_dir, location_name
     from pytrain.data.batch import DeviceFeed
     from pytrain.data.loader import TokenLoader
+    from pytrain.data.shards import read_manifest
     from pytrain.model.load import load
 
     m = load(model, device)
@@ -36,10 +37,10 @@ def evaluate(model: str, data: list[str] | None, batches: int | None, device: st
             )
     if batches is None:
         batches = int(m.config.get("eval_batches", 20)) if m.config else 20
-    sets: dict[str, Path] = {}
+    sets: dict[str, Path | str] = {}
     for item in data:
         label, _, where = item.partition("=") if "=" in item else ("", "", item)
-        sets[label or Path(where).name] = dataset_dir(where, "--data")
+        sets[label or location_name(where)] = dataset_dir(where, "--data")
     out: dict = {"model": str(m.source), "step": m.step, "sets": {}}
     total_loss = total_tokens = 0.0
     dtype = torch.bfloat16 if device != "cpu" and torch.cuda.is_bf16_supported() else None
@@ -60,7 +61,7 @@ def evaluate(model: str, data: list[str] | None, batches: int | None, device: st
                 n += b.loss_tokens
         if not n:
             raise ConfigError(f"--data {path}: no batches")
-        manifest = json.loads((path / "manifest.json").read_text())["totals"]
+        manifest = read_manifest(path)["totals"]
         loss = loss_sum / n
         row = {"loss": loss, "perplexity": math.exp(loss), "tokens": int(n)}
         if manifest.get("input_bytes"):

@@ -25,6 +25,7 @@ def export(src: str | Path, out: str | Path) -> Path:
     from safetensors.torch import save_file
 
     from pytrain.config import ConfigError
+    from pytrain.data.shards import read_manifest
     from pytrain.model.hf import hf_config, to_hf
     from pytrain.model.load import dataset_of, load
 
@@ -33,7 +34,7 @@ def export(src: str | Path, out: str | Path) -> Path:
         raise ConfigError(f"{src} is already an exported directory")
     gpt, cfg = loaded.gpt, loaded.gpt.cfg
     data = dataset_of(loaded.config["data"])
-    tok = {} if data is None else json.loads((data / "manifest.json").read_text())["tokenizer"]
+    tok = {} if data is None else read_manifest(data)["tokenizer"]
     config = hf_config(cfg, gpt.vocab, tok.get("eos_id"), tok.get("bos_id"))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

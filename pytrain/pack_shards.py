@@ -23,6 +23,7 @@ import os
 import sys
 from pathlib import Path
 
+from pytrain.config import location
 from pytrain.data.inputs import BAD_INPUT_POLICIES
 
 EXIT_INPUT, EXIT_USAGE, EXIT_EXISTS, EXIT_CORRUPT = 1, 2, 3, 4
@@ -259,7 +260,7 @@ def verify_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="pack-shards verify", description="check every checksum and count of a dataset"
     )
-    p.add_argument("dataset", type=Path)
+    p.add_argument("dataset", type=location, help="a directory, or an s3:// URL")
     args = p.parse_args(argv)
     from pytrain import _loader
     from pytrain.data.shards import verify
@@ -279,7 +280,7 @@ def inspect_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="pack-shards inspect", description="counts and document-length histogram"
     )
-    p.add_argument("dataset", type=Path)
+    p.add_argument("dataset", type=location, help="a directory, or an s3:// URL")
     p.add_argument("--plot", type=Path, default=None, help="write the histogram as a PNG here")
     args = p.parse_args(argv)
     import numpy as np

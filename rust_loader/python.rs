@@ -40,6 +40,12 @@ create_exception!(
 );
 create_exception!(
     pytrain._loader,
+    RemoteError,
+    LoaderError,
+    "An object in object storage could not be read (after the store's retries), or is not there."
+);
+create_exception!(
+    pytrain._loader,
     StateError,
     LoaderError,
     "A saved loader state does not fit this dataset or configuration."
@@ -56,7 +62,7 @@ fn to_py(e: Error) -> PyErr {
         Error::CorruptShard { .. } => CorruptShardError::new_err(msg),
         Error::Manifest { .. } => ManifestError::new_err(msg),
         // A remote object that could not be read after the object store's retries.
-        Error::Remote { .. } => PyOSError::new_err(msg),
+        Error::Remote { .. } => RemoteError::new_err(msg),
         Error::State(_) => StateError::new_err(msg),
         Error::InvalidArgument(_) => PyValueError::new_err(msg),
         Error::Internal(_) => LoaderError::new_err(msg),
@@ -619,6 +625,18 @@ fn write_manifest(py: Python<'_>, path: PathBuf, fields: &str) -> PyResult<()> {
     run(py, || crate::dataset::write_manifest(&path, value))
 }
 
+/// File `name` of the dataset directory `location` (a local path or an s3:// URL), or None
+/// where it has none (crate::storage::read_file).
+#[pyfunction]
+fn read_file<'py>(
+    py: Python<'py>,
+    location: &str,
+    name: &str,
+) -> PyResult<Option<Bound<'py, PyBytes>>> {
+    let got = run(py, || crate::storage::read_file(location, name))?;
+    Ok(got.map(|b| PyBytes::new(py, &b)))
+}
+
 /// pack-shards' tokenizer: encodes batches of documents without the GIL and hands the
 /// ids back as little-endian uint32 bytes (no Python object per token).
 #[pyclass(name = "Encoder", module = "pytrain._loader", frozen)]
@@ -673,10 +691,12 @@ fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyLoader>()?;
     m.add_function(wrap_pyfunction!(write_synthetic, m)?)?;
     m.add_function(wrap_pyfunction!(write_manifest, m)?)?;
+    m.add_function(wrap_pyfunction!(read_file, m)?)?;
     m.add("LoaderError", py.get_type::<LoaderError>())?;
     m.add("CorruptShardError", py.get_type::<CorruptShardError>())?;
     m.add("ManifestError", py.get_type::<ManifestError>())?;
     m.add("StateError", py.get_type::<StateError>())?;
+    m.add("RemoteError", py.get_type::<RemoteError>())?;
     m.add("FORMAT_VERSION", crate::format::VERSION)?;
     Ok(())
 }

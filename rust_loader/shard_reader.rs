@@ -15,6 +15,7 @@ use crate::format::{
     INDEX_HEADER_LEN,
 };
 use crate::storage::Remote;
+use bytes::Bytes;
 
 enum Source {
     Mapped(Mmap),
@@ -22,8 +23,25 @@ enum Source {
     Remote {
         remote: Arc<Remote>,
         file: String,
-        index: Vec<u8>,
+        index: Bytes,
     },
+}
+
+/// A frame's compressed bytes: a view of the map, or the body of the ranged read that
+/// fetched it (kept as received: no copy).
+pub enum FrameBytes<'a> {
+    Mapped(&'a [u8]),
+    Fetched(Bytes),
+}
+
+impl std::ops::Deref for FrameBytes<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            FrameBytes::Mapped(b) => b,
+            FrameBytes::Fetched(b) => b,
+        }
+    }
 }
 
 pub struct ShardReader {
@@ -113,12 +131,12 @@ impl ShardReader {
 
     /// The compressed bytes of frame `i`, exactly as stored (an ordinary zstd frame): a
     /// view of the map, or one ranged read of the remote object.
-    pub fn raw_frame(&self, i: usize) -> Result<Cow<'_, [u8]>> {
+    pub fn raw_frame(&self, i: usize) -> Result<FrameBytes<'_>> {
         let f = &self.frames[i];
         let (start, end) = (f.offset, f.offset + f.compressed_len);
         match &self.source {
-            Source::Mapped(m) => Ok(Cow::Borrowed(&m[start as usize..end as usize])),
-            Source::Remote { remote, file, .. } => Ok(Cow::Owned(remote.get_range(
+            Source::Mapped(m) => Ok(FrameBytes::Mapped(&m[start as usize..end as usize])),
+            Source::Remote { remote, file, .. } => Ok(FrameBytes::Fetched(remote.get_range(
                 file,
                 start..end,
                 &format!("frame {i}"),
@@ -142,7 +160,7 @@ impl ShardReader {
             )
         })?;
         let raw = self.raw_frame(i)?;
-        let raw = raw.as_ref();
+        let raw: &[u8] = &raw;
         if checksum(raw) != f.checksum {
             return Err(Error::corrupt(
                 &self.name,

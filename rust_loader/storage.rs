@@ -12,6 +12,7 @@
 use std::ops::Range;
 use std::sync::{Arc, OnceLock};
 
+use bytes::Bytes;
 use object_store::aws::AmazonS3Builder;
 use object_store::path::Path as ObjectPath;
 use object_store::{ObjectStore, ObjectStoreExt};
@@ -97,17 +98,29 @@ impl Remote {
 
     /// The whole object `name`.
     pub fn get(&self, name: &str) -> Result<Vec<u8>> {
+        self.get_if_present(name)?.ok_or_else(|| Error::Remote {
+            object: self.url_of(name),
+            detail: "reading it: no such object".into(),
+        })
+    }
+
+    /// The whole object `name`, or None where there is no such object.
+    pub fn get_if_present(&self, name: &str) -> Result<Option<Vec<u8>>> {
         let key = self.key(name);
         let got = runtime().block_on(async {
             let r = self.store.get(&key).await?;
             r.bytes().await
         });
-        got.map(|b| b.to_vec())
-            .map_err(|e| self.err(name, "reading it", e))
+        match got {
+            Ok(b) => Ok(Some(b.into())),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(self.err(name, "reading it", e)),
+        }
     }
 
-    /// Bytes `range` of object `name` (`what` says which part, for messages).
-    pub fn get_range(&self, name: &str, range: Range<u64>, what: &str) -> Result<Vec<u8>> {
+    /// Bytes `range` of object `name` (`what` says which part, for messages): the response
+    /// body's buffer itself, not a copy.
+    pub fn get_range(&self, name: &str, range: Range<u64>, what: &str) -> Result<Bytes> {
         let key = self.key(name);
         let want = range.end - range.start;
         let got = runtime()
@@ -119,6 +132,21 @@ impl Remote {
                 detail: format!("{what}: got {} bytes, asked for {want}", got.len()),
             });
         }
-        Ok(got.to_vec())
+        Ok(got)
+    }
+}
+
+/// File `name` of the dataset directory `location` (a local path or an s3:// URL), or None
+/// where it has no such file: small files beside the shards (the tokenizer), for tools
+/// that would otherwise need a second way into the store.
+pub fn read_file(location: &str, name: &str) -> Result<Option<Vec<u8>>> {
+    if is_remote(location) {
+        return Remote::open(location)?.get_if_present(name);
+    }
+    let path = std::path::Path::new(location).join(name);
+    match std::fs::read(&path) {
+        Ok(bytes) => Ok(Some(bytes)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(Error::io(&path, e)),
     }
 }

@@ -1,62 +1,112 @@
-"""Scaling of the GPT-2 124M preset over GPUs of one host: tokens/s on 1 GPU and on N GPUs
-(torchrun, DDP, NCCL; with --fsdp also FSDP2), the scaling efficiency, the final loss (DDP and
-FSDP2 start from the same weights and see the same data, so they should end close), and the
-CPU time of the loader threads per GPU.
+"""Scaling of a preset, as shipped, over the GPUs of one host: tokens/s on 1 GPU and on N
+(torchrun; the wrapper the trainer chooses, and with --fsdp also FSDP2 forced), the
+per-GPU scaling efficiency, the final loss (every run starts from the same weights and
+reads the same stream, so the losses should agree), peak memory, and the loader's CPU
+time per GPU.
 
-    python scripts/bench_scaling_gpu.py [--gpus 1,2] [--steps 200] [--batch 16] [--fsdp]
-"""
+    python scripts/bench_scaling_gpu.py [--gpus 1,2] [--steps 30] [--fsdp] [--profile]
+    python scripts/bench_scaling_gpu.py --preset configs/llama-1b.toml --vocab 128256 \\
+        --set optim.tokens_per_step=131072
+
+The preset's optimizer step is the same number of tokens at every world size (its
+gradient accumulation per rank is derived from optim.tokens_per_step), so a run on N GPUs
+does the same work per step as on one, N times faster if it scales. Synthetic token ids
+(tokens/s do not depend on the text). Every run shares one Inductor cache.
+
+Loader CPU per GPU: a sandbox may report no per-thread CPU time (gVisor), so the loader
+is measured on its own here, from this process's CPU time: it reads the preset's batches
+as rank 0 of N for a few seconds, and its CPU seconds per token times one GPU's tokens/s
+is the share of a core it needs per GPU.
+
+--profile: a profile of three steps on rank 0 of the largest run without --fsdp; its
+summary (device time per kernel category, communication included; busy vs idle) is
+printed and kept under the work directory."""
 
 from __future__ import annotations
 
 import argparse
-import os
+import json
 import re
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run(n: int, data: Path, out: Path, steps: int, batch: int, fsdp: bool = False) -> dict:
+def run(n: int, args, data: Path, fsdp: bool, profile: bool) -> dict:
     name = f"gpus{n}" + ("-fsdp2" if fsdp else "")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", "--master_port=29611", "-m", "pytrain.train",
-           "--config", str(ROOT / "configs/gpt2-124m.toml"), "--data.path", str(data), "--out_dir", str(out), "--name", name,
-           "--no-resume", "--max_steps", str(steps), "--optim.grad_accum", "1", "--data.batch_size", str(batch),
-           "--eval_every", "0", "--ckpt_every", "0", "--log_every", "1", "--samples", "0", "--no-progress",
-           "--model.attention", "causal", *(["--fsdp"] if fsdp else [])]  # fmt: skip
-    r = subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", "")},
-    )
+    out = args.work / "runs"
+    shutil.rmtree(out / name, ignore_errors=True)
+    sets = [f"--{s.replace('=', ' ', 1)}" for s in args.set]
+    launch = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={n}",
+    ]
+    if n == 1 and args.plain:
+        launch = [sys.executable]
+    cmd = [*launch, "-m", "pytrain.train", "--config", str(args.preset), "--data.path", str(data),
+           "--out_dir", str(out), "--name", name, "--no-resume", "--max_steps", str(args.steps),
+           "--eval_every", "0", "--ckpt_every", "0", "--log_every", "1", "--samples", "0",
+           "--no-progress", "--compile.cache_dir", str(args.work / "inductor-cache"),
+           *(["--fsdp"] if fsdp else []),
+           *(["--profile_steps", f"{args.steps - 5}:{args.steps - 2}"] if profile else []),
+           *" ".join(sets).split()]  # fmt: skip
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    (args.work / f"{name}.out").write_text(r.stdout + r.stderr)
+    plan = re.search(r"data parallel: (\w+)", r.stdout)
+    label = {"replicated": "replicas"}.get(plan.group(1), plan.group(1)) if plan else "single"
     if r.returncode != 0:
         print(r.stdout[-2000:], r.stderr[-4000:], file=sys.stderr)
-        return {
-            "gpus": n,
-            "wrapper": name,
-            "error": (r.stderr.strip().splitlines() or ["?"])[-1][:200],
-        }
+        tail = (r.stderr.strip().splitlines() or ["?"])[-1][:200]
+        return {"gpus": n, "wrapper": label, "error": tail, "wall_s": wall}
     log = (out / name / "train.log").read_text()
-    toks = [
-        float(t.replace(",", ""))
-        for s, t in re.findall(r"step (\d+) loss \S+ lr \S+ grad_norm \S+ tok/s ([\d,]+)", log)
-        if int(s) > steps // 3
-    ]
-    cpu = re.search(
-        r"loader threads CPU: ([\d.]+)s over ([\d.]+)s of training = ([\d.]+) cores", log
-    )
-    losses = re.findall(r"step \d+ loss (\S+)", log)
+    steps = re.findall(r"step (\d+) loss (\S+) lr \S+ grad_norm \S+ tok/s ([\d,]+)", log)
+    # The profiled steps, and the one after them (its period includes the trace's writing).
+    skip = set(range(args.steps - 4, args.steps + 1)) if profile else set()
+    warm = max(3, args.steps // 3)
+    toks = [float(t.replace(",", "")) for s, _, t in steps if int(s) > warm and int(s) not in skip]
+    peak = re.search(r"peak GPU memory ([\d.]+) GB", r.stdout)
+    accum = re.search(r"gradient accumulation: (\d+) micro-batches", r.stdout)
+    summary = out / name / "profile" / "summary.md"
     return {
         "gpus": n,
-        "wrapper": "FSDP2" if fsdp else ("DDP" if n > 1 else "single"),
-        "final_loss": float(losses[-1]) if losses else None,
-        "tokens_per_s": statistics.median(toks),
-        "loader_cores_per_gpu": float(cpu.group(3)) if cpu else None,
+        "wrapper": label,
+        "plan": plan and r.stdout[plan.start() :].splitlines()[0],
+        "accum": int(accum.group(1)) if accum else None,
+        "final_loss": steps[-1][1] if steps else None,
+        "tokens_per_s": statistics.median(toks) if toks else float("nan"),
+        "steps_measured": len(toks),
+        "peak_gb": float(peak.group(1)) if peak else None,
+        "wall_s": wall,
+        "profile": summary.read_text() if summary.exists() else None,
     }
+
+
+def loader_cpu_per_token(args, data: Path, world: int) -> float:
+    """Process CPU seconds per token of the preset's loader, read as rank 0 of `world`."""
+    from pytrain.config import parse_args
+    from pytrain.data import TokenLoader
+
+    cfg = parse_args(["--config", str(args.preset), "--data.path", str(data)])
+    loader = TokenLoader(data, cfg.data, rank=0, world_size=world)
+    tokens, c0, t0 = 0, time.process_time(), time.perf_counter()
+    while time.perf_counter() - t0 < 5.0:
+        batch = next(loader)
+        tokens += batch.tokens.shape[0] * (batch.tokens.shape[1] - 1)
+        batch.release()
+    cpu = time.process_time() - c0
+    loader.close()
+    return cpu / tokens
 
 
 def main() -> int:
@@ -64,43 +114,61 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--gpus", default="1,2")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--preset", type=Path, default=ROOT / "configs/gpt2-124m.toml")
+    p.add_argument("--vocab", type=int, default=50257, help="of the synthetic dataset")
+    p.add_argument("--set", action="append", default=[], help="name=value over the preset")
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "pytrain-scaling")
+    p.add_argument("--fsdp", action="store_true", help="also every N > 1 with --fsdp forced")
+    p.add_argument("--profile", action="store_true")
     p.add_argument(
-        "--fsdp", action="store_true", help="also run every multi-GPU count with --fsdp (FSDP2)"
+        "--plain",
+        action="store_true",
+        help="the 1-GPU run without torchrun (no wrapper), as one GPU is trained",
     )
     args = p.parse_args()
     import torch
 
     from pytrain import _loader
 
-    data = args.work / "synthetic"
+    data = args.work / f"synthetic-{args.vocab}"
     if not (data / "manifest.json").exists():
-        _loader.write_synthetic(str(data), 40_000, mu=6.5, sigma=1.0, vocab=50257, seed=0)
-    runs = [(int(n), False) for n in args.gpus.split(",")]
-    if args.fsdp:
-        runs += [(n, True) for n, _ in runs if n > 1]
-    results = [run(n, data, args.work / "runs", args.steps, args.batch, f) for n, f in runs]
-    for r in results:
-        print(r, flush=True)
+        _loader.write_synthetic(str(data), 40_000, mu=6.5, sigma=1.0, vocab=args.vocab, seed=0)
+    counts = [int(n) for n in args.gpus.split(",")]
+    plan = [(n, False) for n in counts] + [(n, True) for n in counts if args.fsdp and n > 1]
+    biggest = max(counts)
+    results = []
+    for n, fsdp in plan:
+        results.append(run(n, args, data, fsdp, args.profile and n == biggest and not fsdp))
+        print(json.dumps({k: v for k, v in results[-1].items() if k != "profile"}), flush=True)
+    per_token = loader_cpu_per_token(args, data, biggest)
     base = results[0].get("tokens_per_s")
     print(
-        f"\nGPT-2 124M preset, batch {args.batch} x 1024 per GPU, bf16, compiled, DDP; torch {torch.__version__}, {torch.cuda.get_device_name()}"
+        f"\n{args.preset.name} as shipped{' with ' + ', '.join(args.set) if args.set else ''}; "
+        f"median tok/s of steps {max(3, args.steps // 3) + 1}-{args.steps}; torch {torch.__version__}, "
+        f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}"
     )
-    print(
-        "| GPUs | wrapper | tokens/s (all GPUs) | per GPU | scaling efficiency | final loss | loader CPU (cores per GPU, rank 0) |"
-    )
-    print("|---|---|---|---|---|---|---|")
+    print("| GPUs | wrapper | accumulation per rank | tokens/s (all GPUs) | per GPU | scaling efficiency | loss at the last step | peak GB (rank 0) | loader CPU per GPU (cores) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         if "error" in r:
-            print(f"| {r['gpus']} | {r['wrapper']} | failed: {r['error']} | | | | |")
+            print(f"| {r['gpus']} | {r['wrapper']} | | failed: {r['error']} | | | | | |")
             continue
-        eff = r["tokens_per_s"] / (base * r["gpus"]) if base else float("nan")
-        lc = f"{r['loader_cores_per_gpu']:.3f}" if r["loader_cores_per_gpu"] is not None else "-"
+        per_gpu = r["tokens_per_s"] / r["gpus"]
+        eff = per_gpu / base if base else float("nan")
         print(
-            f"| {r['gpus']} | {r['wrapper']} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / r['gpus']:,.0f} | {eff:.1%} | {r['final_loss']} | {lc} |"
+            f"| {r['gpus']} | {r['wrapper']} | {r['accum']} | {r['tokens_per_s']:,.0f} | {per_gpu:,.0f} | "
+            f"{eff:.1%} | {r['final_loss']} | {r['peak_gb'] or '-'} | {per_token * per_gpu:.4f} |"
         )
+    print(
+        f"\nloader alone, rank 0 of {biggest}: {per_token * 1e9:.1f} CPU ns per token "
+        "(process CPU time)"
+    )
+    for r in results:
+        if r.get("plan"):
+            print(f"{r['gpus']} GPUs{' --fsdp' if r['wrapper'] == 'FSDP2' else ''}: {r['plan']}")
+        if r.get("profile"):
+            print(f"\nprofile, {r['gpus']} GPUs, {r['wrapper']}, rank 0:\n{r['profile']}")
     return 0
 
 

@@ -1,6 +1,7 @@
 """Run by tests/test_ddp.py under torchrun (2 processes, gloo): one accumulated step per
-rank (DDP, or FSDP2 with --distributed.fsdp); saves this rank's micro-batches and the
-all-reduced gradients; after close(), the names of the threads still running."""
+rank (DDP; FSDP2 with --fsdp; bf16 replicas with --optim.master_weights on); saves this
+rank's micro-batches and the all-reduced gradients by parameter name; after close(), the
+names of the threads still running."""
 
 import os
 import sys
@@ -20,6 +21,19 @@ from pytrain.train import distributed  # noqa: E402
 denom = distributed.all_sum(n, t.dist, t.device)
 t.optimizer.zero_grad()
 t._forward_backward(batches, denom)
+names = {id(p): n for n, p in t.gpt.named_parameters()}
+if t.plan.kind == "replicas":  # the fp32 sums in the optimizer, averaged over the ranks
+    t.opt_step.masters.all_reduce_grads(t.dist.world_size)
+    flat = t.optimizer.flat_grad
+    grads = {
+        names[id(p)]: flat[o : o + n].view_as(p).clone()
+        for p, (o, n) in zip(t.optimizer.params, t.optimizer._views, strict=True)
+    }
+else:  # FSDP2 keeps sharded gradients (DTensors); gather them whole to compare.
+    grads = {
+        names[id(p)]: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        for p in t.gpt.parameters()
+    }
 torch.save(
     {
         "batches": [
@@ -29,11 +43,8 @@ torch.save(
             }
             for b in batches
         ],
-        # FSDP2 keeps sharded gradients (DTensors); gather them whole to compare.
-        "grads": [
-            p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-            for p in t.gpt.parameters()
-        ],
+        "grads": grads,
+        "plan": t.plan.kind,
         "denom": denom,
         "loader_state": t.loader.state_dict(),
     },

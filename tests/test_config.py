@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from pytrain.config import ConfigError, TrainConfig, apply_toml, build_parser, parse_args
+from pytrain.config import (
+    ConfigError,
+    TrainConfig,
+    apply_toml,
+    build_parser,
+    derive_grad_accum,
+    parse_args,
+)
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 
@@ -150,3 +157,21 @@ def test_mixture_flags_toml_tables_and_help(tmp_path):
         parse_args(["--data.stages", "x:web=1"]).data.stage_list()
     text = build_parser().format_help()
     assert "NAME=PATH:WEIGHT" in text and "STEP:NAME=W" in text
+
+
+@pytest.mark.parametrize("world, accum", [(1, 16), (2, 8), (8, 2), (16, 1), (32, 1), (3, 5)])
+def test_the_gpt2_preset_makes_a_half_million_token_step_at_any_world_size(world, accum):
+    c = parse_args(["--config", str(CONFIGS / "gpt2-124m.toml")])
+    line = derive_grad_accum(c, world)
+    assert c.optim.grad_accum == accum
+    step = accum * 32 * 1024 * world
+    assert f"= {step:,} tokens per optimizer step" in line
+    assert ("asks 524,288" in line) == (step != 524288)
+
+
+def test_a_given_grad_accum_wins_and_zero_needs_tokens_per_step():
+    c = parse_args(["--config", str(CONFIGS / "gpt2-124m.toml"), "--optim.grad_accum", "2"])
+    assert derive_grad_accum(c, 4) is None and c.optim.grad_accum == 2
+    c = parse_args(["--optim.grad_accum", "0"])
+    with pytest.raises(ConfigError, match="optim.tokens_per_step > 0"):
+        derive_grad_accum(c, 1)

@@ -29,11 +29,13 @@ def cfg_args(small_corpus, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2", "replicas"])
 def test_two_process_gloo_matches_single_process(small_corpus, tmp_path, wrapper):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent.parent)}
-    flags = ["--fsdp"] if wrapper == "fsdp2" else []
-    port = {"ddp": "29533", "fsdp2": "29534"}[wrapper]
+    # bf16 replicas: each rank's bf16 gradients summed in fp32, the sums all-reduced once.
+    bf16 = ["--precision", "bf16", "--optim.master_weights", "on"]
+    flags = {"ddp": [], "fsdp2": ["--fsdp"], "replicas": bf16}[wrapper]
+    port = {"ddp": "29533", "fsdp2": "29534", "replicas": "29535"}[wrapper]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
            str(Path(__file__).parent / "ddp_worker.py"), str(tmp_path), *cfg_args(small_corpus, tmp_path), *flags]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
@@ -44,18 +46,35 @@ def test_two_process_gloo_matches_single_process(small_corpus, tmp_path, wrapper
         for b in ranks[1]["batches"]:
             assert not torch.equal(a["input_ids"], b["input_ids"])
     assert ranks[0]["loader_state"] == ranks[1]["loader_state"]  # one state for every rank
+    assert ranks[0]["plan"] == wrapper
     # All-reduced gradients are the same on both ranks ...
-    for g0, g1 in zip(ranks[0]["grads"], ranks[1]["grads"], strict=True):
-        torch.testing.assert_close(g0, g1)
+    assert ranks[0]["grads"].keys() == ranks[1]["grads"].keys()
+    for name, g0 in ranks[0]["grads"].items():
+        torch.testing.assert_close(g0, ranks[1]["grads"][name])
     # ... and equal to one process over the union of both ranks' micro-batches.
-    single = Trainer(small_cfg(small_corpus, tmp_path / "single", "--model.n_layer", "2"))
+    extra = ["--model.n_layer", "2", *(bf16 if wrapper == "replicas" else [])]
+    single = Trainer(small_cfg(small_corpus, tmp_path / "single", *extra))
     union = [
         DeviceBatch(**b, epoch=0, doc_tokens=0, pad_tokens=0) for rk in ranks for b in rk["batches"]
     ]
     single.optimizer.zero_grad()
     single._forward_backward(union, ranks[0]["denom"])
-    for g, p in zip(ranks[0]["grads"], single.gpt.parameters(), strict=True):
-        torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-6)
+    if wrapper == "replicas":  # the 4 micro-batches' sums in fp32, in the optimizer
+        o = single.optimizer
+        want = {
+            id(p): o.flat_grad[a : a + n].view_as(p)
+            for p, (a, n) in zip(o.params, o._views, strict=True)
+        }
+    else:
+        want = {id(p): p.grad for p in single.gpt.parameters()}
+    for name, p in single.gpt.named_parameters():
+        got, ref = ranks[0]["grads"][name], want[id(p)]
+        if wrapper == "replicas":  # bf16 gradients: equal up to bf16's rounding (the ranks'
+            # matmuls sum in another order); a wrong average, or a micro-batch left out, is
+            # off by half the norm or more.
+            assert float((got - ref).norm() / ref.norm()) < 1e-2, name
+        else:
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6)
     single.close()
     if wrapper == "ddp":
         # close() destroyed the process group and joined its threads (not left running
@@ -106,13 +125,29 @@ def _torchrun(n: int, port: int, script: str, *args: str) -> str:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "after,mix,fsdp", [(1, False, False), (3, False, False), (3, True, False), (1, False, True)]
+    "after,mix,wrapper",
+    [
+        (1, False, "ddp"),
+        (3, False, "ddp"),
+        (3, True, "ddp"),
+        (1, False, "fsdp2"),
+        (1, False, "replicas"),
+    ],
 )
-def test_training_resumes_on_another_number_of_processes(small_corpus, tmp_path, after, mix, fsdp):
+def test_training_resumes_on_another_number_of_processes(
+    small_corpus, tmp_path, after, mix, wrapper
+):
     """2 processes train 3 steps and stop (checkpoint), then `after` processes resume to
     step 5: together they trained on exactly the first global batches of the stream, each
-    once (no batch lost, none repeated), also for a mixture, and under FSDP2 (its sharded
-    checkpoint of 2 ranks resharded onto 1)."""
+    once (no batch lost, none repeated), also for a mixture, under FSDP2 (its sharded
+    checkpoint of 2 ranks resharded onto 1), and for bf16 replicas with fp32 masters."""
+    fsdp = wrapper == "fsdp2"
+    flags = {
+        "ddp": [],
+        "fsdp2": ["--fsdp"],
+        "replicas": ["--precision", "bf16", "--optim.master_weights", "on"],
+    }
+    port = 29540 + after + 3 * mix + {"ddp": 0, "fsdp2": 40, "replicas": 70}[wrapper]
     train, val = small_corpus
     data = ["--data.mix", f"a={train}:0.7", f"b={val}:0.3"] if mix else ["--data.path", str(train)]
     args = [
@@ -120,11 +155,11 @@ def test_training_resumes_on_another_number_of_processes(small_corpus, tmp_path,
         "--model.n_layer", "1", "--model.n_head", "2", "--model.d_model", "32",
         "--data.seq_len", "64", "--data.batch_size", "2", "--data.frames_per_block", "1",
         "--optim.grad_accum", "2", "--eval_every", "0", "--ckpt_every", "0", "--samples", "0",
-        "--no-tensorboard", "--no-progress", "--no-compile.safe_env", *(["--fsdp"] if fsdp else []),
+        "--no-tensorboard", "--no-progress", "--no-compile.safe_env", *flags[wrapper],
     ]  # fmt: skip
     _torchrun(
         2,
-        29540 + after + 3 * mix + 40 * fsdp,
+        port,
         "elastic_worker.py",
         str(tmp_path),
         "first",
@@ -134,7 +169,7 @@ def test_training_resumes_on_another_number_of_processes(small_corpus, tmp_path,
     )
     log = _torchrun(
         after,
-        29550 + after + 3 * mix + 40 * fsdp,
+        port + 10,
         "elastic_worker.py",
         str(tmp_path),
         "second",

@@ -116,14 +116,17 @@ def test_state_round_trip_and_masters_in_the_model_state():
 
 def test_master_weights_option_is_checked():
     cpu = torch.device("cpu")
-    assert optim.use_master_weights("on", cpu, torch.bfloat16, True)
-    assert not optim.use_master_weights("auto", cpu, torch.bfloat16, True)  # CUDA only
-    assert optim.use_master_weights("auto", torch.device("cuda"), torch.bfloat16, True)
-    assert not optim.use_master_weights("auto", torch.device("cuda"), torch.bfloat16, False)
-    with pytest.raises(ValueError, match="needs precision bf16"):
-        optim.use_master_weights("on", cpu, None, True)
+    cuda = torch.device("cuda")
+    assert optim.use_master_weights("on", cpu, torch.bfloat16, False)
+    assert not optim.use_master_weights("auto", cpu, torch.bfloat16, False)  # CUDA only
+    assert optim.use_master_weights("auto", cuda, torch.bfloat16, False)
+    assert not optim.use_master_weights("auto", cuda, torch.bfloat16, True)  # FSDP2's own
+    with pytest.raises(ValueError, match="needs precision bf16 and no FSDP2"):
+        optim.use_master_weights("on", cpu, None, False)
+    with pytest.raises(ValueError, match="needs precision bf16 and no FSDP2"):
+        optim.use_master_weights("on", cpu, torch.bfloat16, True)
     with pytest.raises(ValueError, match="expected auto, on or off"):
-        optim.use_master_weights("yes", cpu, torch.bfloat16, True)
+        optim.use_master_weights("yes", cpu, torch.bfloat16, False)
 
 
 KERNEL_CHECK = textwrap.dedent(

@@ -141,7 +141,7 @@ def test_trainer_muon_learns_and_resumes_exactly(small_corpus, tmp_path):
 
 def test_muon_refusals():
     model = tiny_gpt()
-    kw = {"one_process": True, "sharded": False, "fp16_scaler": False}
+    kw = {"sharded": False, "fp16_scaler": False}
     with pytest.raises(ConfigError, match="FSDP2"):
         build_optimizer(model, OptimConfig(name="muon"), CPU, None, **{**kw, "sharded": True})
     with pytest.raises(ConfigError, match="fp16"):

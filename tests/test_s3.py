@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.client
 import http.server
 import itertools
+import re
 import socket
 import subprocess
 import sys
@@ -203,11 +204,12 @@ def test_a_missing_object_is_one_line_naming_it(s3_server, aws_env, small_corpus
     url = upload(s3_server, train, "missing")
     shard = sorted(p.name for p in train.iterdir() if p.suffix == ".tks")[0]
     _client(s3_server).delete_object(Bucket=BUCKET, Key=f"missing/{shard}")
-    with pytest.raises(OSError) as e:
+    with pytest.raises(_loader.RemoteError) as e:
         _loader.Dataset(url)
     assert str(e.value) == f"{url}/{shard}: its footer: no such object"
     with pytest.raises(
-        OSError, match=r"s3://corpus/nothing-here/manifest.json: reading it: no such object"
+        _loader.RemoteError,
+        match=r"s3://corpus/nothing-here/manifest.json: reading it: no such object",
     ):
         _loader.Dataset(f"s3://{BUCKET}/nothing-here")
 
@@ -242,7 +244,7 @@ def test_a_refused_request_is_one_line_without_the_secret(s3_server, aws_env, mo
         aws_env(proxy.url)
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-right-secret-1234")
         t0 = time.perf_counter()
-        with pytest.raises(OSError) as e:
+        with pytest.raises(_loader.RemoteError) as e:
             _loader.Dataset(f"s3://{BUCKET}/same")
     finally:
         proxy.close()
@@ -250,3 +252,55 @@ def test_a_refused_request_is_one_line_without_the_secret(s3_server, aws_env, mo
     assert line.startswith("s3://corpus/same/manifest.json: reading it:") and "\n" not in line, line
     assert "not-the-right-secret-1234" not in line
     assert time.perf_counter() - t0 < 10
+
+
+def _train(data: str, val: str, out: Path, env: dict) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "pytrain.train", "--data.path", data, "--data.val_path", val,
+           "--out_dir", str(out), "--name", "run", "--max_steps", "4", "--eval_every", "2",
+           "--eval_batches", "2", "--log_every", "1", "--samples", "1", "--sample_tokens", "8",
+           "--model.n_layer", "1", "--model.n_head", "2", "--model.d_model", "32",
+           "--data.seq_len", "64", "--data.batch_size", "2", "--data.frames_per_block", "1",
+           "--device", "cpu", "--no-tensorboard", "--no-progress", "--deterministic"]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_training_verify_and_inspect_take_s3_urls(s3_server, small_corpus, tmp_path):
+    """What a user runs on a dataset in a bucket: pack-shards verify and inspect, then the
+    trainer (training and validation sets remote, samples decoded with the dataset's
+    tokenizer, which the run directory keeps); its losses equal those of the local copy."""
+    import os
+    import shutil
+
+    from pytrain.data.tokenizer import train_bpe
+
+    train, val = small_corpus
+    local = tmp_path / "train"
+    shutil.copytree(train, local)
+    train_bpe(["a few words of text, and a few more"] * 20, 300).save(str(local / "tokenizer.json"))
+    url, val_url = upload(s3_server, local, "user/train"), upload(s3_server, val, "user/val")
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+           "AWS_REGION": "us-east-1", "AWS_ENDPOINT_URL": s3_server, "AWS_ALLOW_HTTP": "true",
+           "OMP_NUM_THREADS": "1"}  # fmt: skip
+    tool = [sys.executable, "-m", "pytrain.pack_shards"]
+    r = subprocess.run([*tool, "verify", url], capture_output=True, text=True, env=env)
+    n_tokens = _loader.Dataset(str(local)).n_tokens
+    assert r.returncode == 0 and r.stdout.startswith(f"{url}: OK"), r.stderr
+    assert f"{n_tokens:,} tokens" in r.stdout
+    r = subprocess.run([*tool, "inspect", url], capture_output=True, text=True, env=env)
+    assert r.returncode == 0 and f"tokens      {n_tokens:,}" in r.stdout, r.stderr
+    remote = _train(url, val_url, tmp_path / "remote", env)
+    assert remote.returncode == 0, remote.stderr[-3000:]
+    assert "--- sample 1 ---" in remote.stdout
+    kept = tmp_path / "remote" / "run" / "tokenizer.json"
+    assert kept.read_bytes() == (local / "tokenizer.json").read_bytes()
+    mine = _train(str(local), str(val), tmp_path / "local", env)
+    assert mine.returncode == 0, mine.stderr[-3000:]
+    losses = [
+        re.findall(r"step (\d+) loss (\S+)", (tmp_path / w / "run" / "train.log").read_text())
+        for w in ("remote", "local")
+    ]
+    assert len(losses[0]) == 4 and losses[0] == losses[1]
+    # A bucket that does not exist: one line naming it, no traceback.
+    bad = _train("s3://no-such-bucket/x", val_url, tmp_path / "bad", env)
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    assert "s3://no-such-bucket/x" in bad.stderr.strip().splitlines()[-1]

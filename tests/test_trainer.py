@@ -214,6 +214,8 @@ def test_compile_policy_avoids_known_bad_combinations(monkeypatch):
     assert d.mode == "default" and "activation checkpointing" in d.reason
     assert decide("reduce-overhead", True, cuda, False, True, False).mode == "default"
     assert decide("reduce-overhead", True, cuda, False, False, False).mode == "reduce-overhead"
+    d = decide("reduce-overhead", True, cuda, False, False, False, fsdp2=True)
+    assert d.mode == "default" and "FSDP2" in d.reason
     assert (
         decide("reduce-overhead", True, cuda, True, False, False, guard=False).mode
         == "reduce-overhead"

@@ -28,25 +28,10 @@ import torch
 
 from pytrain import _loader
 from pytrain._loader import StateError
-from pytrain.config import LoaderConfig
+from pytrain.config import LoaderConfig, location, location_name
 from pytrain.data.batch import CopyEvent, HostBatch
 
 __all__ = ["TokenLoader"]
-
-
-REMOTE_SCHEMES = ("s3://", "s3a://")
-"""Datasets read from object storage by the extension (rust_loader/storage.rs)."""
-
-
-def location(p: str | Path) -> str | Path:
-    """A local dataset directory as a Path; an object-storage URL as the string it is (a
-    Path would fold its '//')."""
-    return p if isinstance(p, str) and p.startswith(REMOTE_SCHEMES) else Path(p)
-
-
-def location_name(p: str | Path) -> str:
-    """The last component of a directory or URL: a single source's name."""
-    return str(p).rstrip("/").rsplit("/", 1)[-1]
 
 
 class TokenLoader:

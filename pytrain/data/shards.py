@@ -426,12 +426,15 @@ def _fsync_dir(d: Path) -> None:
         os.close(fd)
 
 
-def read_manifest(path: Path) -> dict:
-    with open(Path(path) / MANIFEST) as f:
-        return json.load(f)
+def read_manifest(path: Path | str) -> dict:
+    """The manifest of the dataset at `path` (a directory, or an s3:// URL)."""
+    data = _loader.read_file(str(path), MANIFEST)
+    if data is None:
+        raise FileNotFoundError(f"{str(path).rstrip('/')}/{MANIFEST}: no such file")
+    return json.loads(data)
 
 
-def verify(path: Path) -> dict:
+def verify(path: Path | str) -> dict:
     """Checks every checksum and that the manifest's totals match the shards."""
     ds = _loader.Dataset(str(path))
     ds.verify()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from pytrain.config import ConfigError, DataConfig
+from pytrain.config import REMOTE_SCHEMES, ConfigError, DataConfig
 from pytrain.model.config import ModelConfig
 from pytrain.model.gpt import GPT
 from pytrain.model.hf import from_hf, strip_prefixes
@@ -66,19 +66,27 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> Loaded:
         gpt.load_state_dict(strip_prefixes(state["model"]))
     data = dataset_of(state["config"]["data"])
     tok, eos = None, None
-    if data is not None:
+    if isinstance(data, Path):
         tok = data / "tokenizer.json" if (data / "tokenizer.json").is_file() else None
+    if data is not None:
         from pytrain import _loader
 
         eos = _loader.Dataset(str(data)).eos_id
+    # The copy the trainer keeps in the run directory: there even where the dataset is in
+    # object storage or gone.
+    if (p.parent / "tokenizer.json").is_file():  # p: the checkpoint (a file or a directory)
+        tok = p.parent / "tokenizer.json"
     return Loaded(gpt.to(device).eval(), state["config"], tok, eos, state.get("step"), p)
 
 
-def dataset_of(data: dict) -> Path | None:
-    """The (first) training dataset of a saved [data] section, if it is still there."""
+def dataset_of(data: dict) -> Path | str | None:
+    """The (first) training dataset of a saved [data] section, if it is still there (an
+    object-storage URL is returned as it is, unchecked)."""
     d = DataConfig.from_saved(data)
     path = d.mixture()[0] if d.mix else {"": d.path}
     first = next(iter(path.values()), "")
+    if first.startswith(REMOTE_SCHEMES):
+        return first
     return Path(first) if first and (Path(first) / "manifest.json").is_file() else None
 
 

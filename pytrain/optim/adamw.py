@@ -18,19 +18,19 @@ from pytrain.optim.master_adamw import MasterAdamW
 
 
 def use_master_weights(
-    choice: str, device: torch.device, dtype: torch.dtype | None, one_process: bool
+    choice: str, device: torch.device, dtype: torch.dtype | None, sharded: bool
 ) -> bool:
     """Whether the model's parameters are bf16 with fp32 masters in the optimizer
-    (pytrain.optim.master_adamw): asked for, or 'auto' on CUDA, with bf16 autocast, in one
-    process (DDP would reduce only the last micro-batch's bf16 gradients; FSDP2 has its
-    own mixed precision)."""
+    (pytrain.optim.master_adamw): asked for, or 'auto' on CUDA, with bf16 autocast, unless
+    FSDP2 shards the model (it has its own mixed precision). Several ranks then all-reduce
+    the optimizer's fp32 gradient sums (pytrain.train.parallel, 'replicas')."""
     if choice not in ("auto", "on", "off"):
         raise ValueError(f"optim.master_weights is {choice!r}; expected auto, on or off")
-    possible = dtype == torch.bfloat16 and one_process
+    possible = dtype == torch.bfloat16 and not sharded
     if choice == "on" and not possible:
         raise ValueError(
-            "optim.master_weights=on needs precision bf16 and a single process "
-            "(set it to auto or off for fp16, fp32, DDP or FSDP2)"
+            "optim.master_weights=on needs precision bf16 and no FSDP2 "
+            "(set it to auto or off for fp16, fp32 or FSDP2)"
         )
     return choice == "on" or (choice == "auto" and possible and device.type == "cuda")
 

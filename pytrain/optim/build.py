@@ -12,19 +12,25 @@ from pytrain.optim.master_adamw import MasterAdamW
 NAMES = ("adamw", "muon")
 
 
+def keeps_masters(
+    o: OptimConfig, device: torch.device, dtype: torch.dtype | None, sharded: bool
+) -> bool:
+    """Whether build_optimizer would keep fp32 master weights of bf16 parameters."""
+    return o.name == "adamw" and adamw.use_master_weights(o.master_weights, device, dtype, sharded)
+
+
 def build_optimizer(
     model: nn.Module,
     o: OptimConfig,
     device: torch.device,
     dtype: torch.dtype | None,
     *,
-    one_process: bool,
     sharded: bool,
     fp16_scaler: bool,
 ) -> tuple[torch.optim.Optimizer | MasterAdamW | muon.MuonAdamW, bool]:
     """(optimizer, whether it keeps fp32 master weights of bf16 parameters)."""
     if o.name == "adamw":
-        master = adamw.use_master_weights(o.master_weights, device, dtype, one_process)
+        master = adamw.use_master_weights(o.master_weights, device, dtype, sharded)
         return adamw.make_optimizer(model, o, device, master), master
     if o.name != "muon":
         raise ConfigError(f"optim.name is {o.name!r}; expected one of {', '.join(NAMES)}")

@@ -18,8 +18,9 @@ sync.
 Gradient accumulation: a bf16 `.grad` summed over micro-batches would lose precision, so
 with more than one micro-batch `accumulate()` adds each micro-batch's gradients into an
 fp32 buffer and drops them (`.grad` is None between micro-batches), and the step reads
-that buffer. Single process only: DDP would all-reduce the bf16 `.grad` of the last
-micro-batch only, and FSDP2 has its own mixed precision.
+that buffer. Several ranks all-reduce that buffer once per step (`all_reduce_grads`) and
+use no DDP wrapper, which would all-reduce the bf16 `.grad` of the last micro-batch only;
+FSDP2 has its own mixed precision.
 
 The kernels are Triton on CUDA (one launch for all parameters: a table maps each block
 of the launch to its tensor, and the gradients are found through a table of their
@@ -32,6 +33,7 @@ import itertools
 import math
 
 import torch
+import torch.distributed
 from torch import nn
 
 try:
@@ -236,6 +238,15 @@ class MasterAdamW:
             self.flat_grad.copy_(flat) if first else self.flat_grad.add_(flat)
         for p in self.params:
             p.grad = None
+
+    def all_reduce_grads(self, world_size: int) -> None:
+        """Averages the accumulated fp32 gradients over the ranks of the default process
+        group (data parallelism without a wrapper; pytrain.train.parallel): one all-reduce of
+        the whole buffer, after the step's last micro-batch."""
+        if self.flat_grad is None:
+            raise RuntimeError("MasterAdamW: all_reduce_grads before any accumulate()")
+        torch.distributed.all_reduce(self.flat_grad)
+        self.flat_grad.div_(world_size)
 
     def grad_norm(self) -> torch.Tensor:
         """The total L2 norm of the gradients (fp32, 0-d, on the device, no host sync)."""

@@ -16,8 +16,19 @@ class OptimizerStep:
     master weights, clipping, the step guard's skip, and the update (fused with clipping
     folded in, through fp16's GradScaler, or plain)."""
 
-    def __init__(self, optimizer, model: nn.Module, scaler, sharded: bool, grad_clip: float):
+    def __init__(
+        self,
+        optimizer,
+        model: nn.Module,
+        scaler,
+        sharded: bool,
+        grad_clip: float,
+        replicas: int = 0,
+    ):
         self.optimizer = optimizer
+        self.replicas = replicas
+        """Ranks that all-reduce the masters' fp32 gradient sums each step (0: none; see
+        pytrain.train.parallel, 'replicas')."""
         self.model = model
         self.scaler = scaler
         self.sharded = sharded
@@ -59,7 +70,7 @@ class OptimizerStep:
         torch._foreach_zero_([p.grad for p in params if p.grad is not None])
 
     def after_micro_batch(self, accumulating: bool) -> None:
-        if self.master and accumulating:
+        if self.master and (accumulating or self.replicas):
             self.masters.accumulate()  # into fp32, not into the bf16 .grad
 
     def step(self, guard, step: int, loss: torch.Tensor):
@@ -67,6 +78,8 @@ class OptimizerStep:
         clipped update or its skip. With a fused AdamW (CUDA, unsharded, no GradScaler)
         clipping happens inside the optimizer and nothing waits for the device."""
         max_norm = self.grad_clip
+        if self.replicas:
+            self.masters.all_reduce_grads(self.replicas)
         fold = self.optimizer.defaults.get("fused") and not (self.sharded or self.scaler)
         if fold:
             norm = grad_norm(self.optimizer)

@@ -5,7 +5,7 @@ once into ~/.cache/pytrain), on the GPU if there is one, else on the CPU, for a 
 minutes; then it evaluates, prints samples, and says where everything went.
 
     python -m pytrain.train --config configs/gpt2-124m.toml --data.path data/fineweb
-    torchrun --nproc_per_node=8 -m pytrain.train --config configs/gpt2-124m-multi.toml
+    torchrun --nproc_per_node=8 -m pytrain.train --config configs/gpt2-124m.toml
 
 This module imports no torch until the environment guards are in place."""
 
@@ -105,6 +105,10 @@ def _main(argv: list[str] | None) -> int:
     if not cfg.data.path and not cfg.data.mix:  # a mixture names its own datasets
         use_default_dataset(cfg)
     trainer = Trainer(cfg)
+    if trainer.dist.is_main:
+        from pytrain.train.sources import keep_tokenizer
+
+        keep_tokenizer(trainer.run_dir, trainer.train_path)
     trainer.say(
         f"device {trainer.device} | precision {trainer.precision.name} | attention {trainer.attention} | "
         f"output layer {'fp8' if trainer.gpt.uses_float8_head(trainer.device) else 'bf16'} | "
@@ -112,6 +116,8 @@ def _main(argv: list[str] | None) -> int:
         f"params {trainer.gpt.num_params() / 1e6:.2f}M | world {trainer.dist.world_size} | "
         f"batch {cfg.data.batch_size}x{cfg.data.seq_len}x{cfg.optim.grad_accum} | run dir {trainer.run_dir}"
     )
+    if trainer.plan.line:
+        trainer.say(trainer.plan.line)
     if cfg.model.attention == "auto" and trainer.device.type == "cuda":
         from pytrain.model import flash4
 

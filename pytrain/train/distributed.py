@@ -1,5 +1,5 @@
-"""torchrun support: process group set-up, the device of this rank, model wrapping
-(DDP, or FSDP2 `fully_shard` for models that do not fit), and small collectives."""
+"""torchrun support: process group set-up, the device of this rank, and small collectives
+(the wrappers that share the model are pytrain.train.parallel's)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import atexit
 import faulthandler
 import os
 import sys
-from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import NoReturn
@@ -115,50 +114,6 @@ def set_timeout(info: DistInfo, timeout_s: float) -> str | None:
     except (RuntimeError, NotImplementedError, AttributeError) as e:
         return f"warning: collectives keep the set-up timeout (--dist_init_timeout_s): {e}"
     return None
-
-
-def wrap(
-    model: torch.nn.Module, info: DistInfo, device: torch.device, fsdp: bool
-) -> torch.nn.Module:
-    if not info.enabled:
-        return model
-    if fsdp:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        # The mesh on the training device: FSDP2's default takes the machine's accelerator,
-        # which breaks a run on the CPU (--device cpu) of a host that has GPUs.
-        mesh = init_device_mesh(device.type, (info.world_size,))
-        for block in model.gpt.blocks:  # type: ignore[union-attr]
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        return model
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-
-
-def no_sync(model: torch.nn.Module, last_micro_step: bool):
-    """Skips the gradient all-reduce on all but the last micro-step of an optimizer step."""
-    if last_micro_step:
-        return nullcontext()
-    if hasattr(model, "no_sync"):  # DDP
-        return model.no_sync()  # type: ignore[operator]
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        model.set_requires_gradient_sync(False)  # type: ignore[operator]
-        return _ResyncAfter(model)
-    return nullcontext()
-
-
-class _ResyncAfter:
-    def __init__(self, model):
-        self.model = model
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.model.set_requires_gradient_sync(True)
 
 
 def all_sum(x: float | int, info: DistInfo, device: torch.device) -> float:

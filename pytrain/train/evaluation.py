@@ -23,7 +23,7 @@ class Evaluator:
 
     def __init__(
         self,
-        paths: dict[str, Path],
+        paths: dict[str, Path | str],
         data: DataConfig,
         gpt: GPT,
         compiler: CompiledModel,
@@ -45,7 +45,7 @@ class Evaluator:
             batches,
         )
 
-    def loader(self, path: Path) -> TokenLoader:
+    def loader(self, path: Path | str) -> TokenLoader:
         """A validation set in its stored order, once, the same on every rank."""
         return TokenLoader(path, self.data, shuffle=False, num_epochs=1, threads=1, slots=2)
 
@@ -76,7 +76,7 @@ class Evaluator:
         return loss / tokens if tokens else None
 
     @torch.no_grad()
-    def sums(self, path: Path) -> tuple[float, float]:
+    def sums(self, path: Path | str) -> tuple[float, float]:
         """(summed loss, loss tokens) over one set, all ranks. Every rank reads the batches
         in the same order and evaluates every world_size-th one (a set smaller than the
         world leaves some ranks idle). The feed releases every slot it took, also when it

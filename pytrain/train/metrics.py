@@ -97,6 +97,35 @@ def loader_cpu_seconds() -> float | None:
     return total
 
 
+class CpuClock:
+    """CPU time of the loader threads and of the whole process over the training loop. The
+    loader's own share comes from /proc's per-thread times; where a sandbox reports none
+    (gVisor reports 0), the process's time (main thread included) is the bound to read."""
+
+    def __init__(self):
+        import time
+
+        self.wall, self.process, self.loader = (
+            time.perf_counter(), time.process_time(), loader_cpu_seconds()
+        )  # fmt: skip
+
+    def line(self) -> str:
+        import time
+
+        wall = time.perf_counter() - self.wall
+        process = time.process_time() - self.process
+        loader, now = None, loader_cpu_seconds()
+        if self.loader is not None and now is not None:
+            loader = now - self.loader
+        text = (
+            f"loader threads CPU: {loader:.2f}s" if loader is not None else "loader threads CPU: ?"
+        )
+        return (
+            f"{text} over {wall:.2f}s of training = {(loader or 0.0) / wall:.3f} cores; "
+            f"process CPU {process:.2f}s = {process / wall:.3f} cores"
+        )
+
+
 class StepLog:
     """What the loop writes per step and per evaluation: TensorBoard scalars, a text line
     every `log_every` steps (and the first), the progress bar, and console lines for

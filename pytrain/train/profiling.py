@@ -15,6 +15,7 @@ import torch
 
 # First match wins; names as CUDA, cuBLAS, cuDNN, FlashAttention and Triton report them.
 CATEGORIES = (
+    ("communication (NCCL)", r"nccl|allreduce|all_reduce|reducescatter|allgather"),
     (
         "attention backward",
         r"(flash|fmha|attention|attn|sdpa).*(bwd|backward|dq|dk|dv)|bwd.*(flash|fmha|attn)",
@@ -172,10 +173,11 @@ class StepProfiler:
         self.prof = prof
         self.t0 = time.perf_counter()
 
-    def after_step(self, step_done: int) -> None:
-        """`step_done`: the number of completed steps (the trainer's step counter)."""
+    def after_step(self, step_done: int) -> str | None:
+        """`step_done`: the number of completed steps (the trainer's step counter). Returns
+        a line naming the summary when the window ends here."""
         if self.prof is None or step_done != self.stop:
-            return
+            return None
         import time
 
         if self.device.type == "cuda":
@@ -188,3 +190,4 @@ class StepProfiler:
         (self.out / "summary.json").write_text(json.dumps(self.summary, indent=1))
         (self.out / "summary.md").write_text(format_summary(self.summary) + "\n")
         self.prof = None
+        return f"profile of steps {self.start}:{self.stop}: {self.out}/summary.md"

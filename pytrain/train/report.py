@@ -35,7 +35,9 @@ def prompts(path, n: int, tokens: int = PROMPT_TOKENS) -> list[list[int]]:
 def samples(trainer, n: int, tokens: int) -> list[str]:
     from tokenizers import Tokenizer
 
-    path = trainer.train_path / "tokenizer.json"
+    path = trainer.run_dir / "tokenizer.json"  # the dataset's, copied at start
+    if not path.exists() and not isinstance(trainer.train_path, str):
+        path = trainer.train_path / "tokenizer.json"
     if n <= 0 or not path.exists():
         return []
     if trainer.sharded:

@@ -8,7 +8,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from pytrain.config import ConfigError, DataConfig, dataset_dir
+from pytrain.config import ConfigError, DataConfig, dataset_dir, location_name
 from pytrain.data.loader import TokenLoader
 from pytrain.train import distributed
 from pytrain.train.distributed import DistInfo
@@ -16,18 +16,18 @@ from pytrain.train.distributed import DistInfo
 
 @dataclass
 class Sources:
-    train: dict[str, Path]
-    val: dict[str, Path]
+    train: dict[str, Path | str]
+    val: dict[str, Path | str]
     weights: dict[str, float] | None = None
     """A mixture's shares of tokens; None for one dataset."""
 
     @property
-    def train_path(self) -> Path:
+    def train_path(self) -> Path | str:
         """The first training source (its tokenizer.json and prompts serve the report)."""
         return next(iter(self.train.values()))
 
     @property
-    def val_path(self) -> Path | None:
+    def val_path(self) -> Path | str | None:
         return next(iter(self.val.values()), None)
 
 
@@ -39,7 +39,7 @@ def resolve(d: DataConfig) -> Sources:
         paths, weights = d.mixture()
         train = {n: dataset_dir(p, f"--data.mix {n}") for n, p in paths.items()}
     elif d.path:
-        train = {Path(d.path).name: dataset_dir(d.path, "--data.path")}
+        train = {location_name(d.path): dataset_dir(d.path, "--data.path")}
     else:
         raise ConfigError(
             "no training dataset: set --data.path or --data.mix (python -m pytrain.train builds the embedded default)"
@@ -61,6 +61,20 @@ def train_loader(d: DataConfig, s: Sources, grad_accum: int, dist: DistInfo) -> 
     return TokenLoader(
         s.train, d, weights=s.weights, stages=stages, rank=dist.rank, world_size=dist.world_size
     )
+
+
+def keep_tokenizer(run_dir: Path, train: Path | str) -> None:
+    """Copies the training dataset's tokenizer.json into the run directory (where one is
+    there): samples, `pytrain.sample` and export then need no access to the dataset, which
+    may be in object storage or moved."""
+    from pytrain import _loader
+
+    data = _loader.read_file(str(train), "tokenizer.json")
+    if data is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = run_dir / "tokenizer.json.tmp"
+        tmp.write_bytes(data)
+        tmp.replace(run_dir / "tokenizer.json")
 
 
 def check_same_data(loader: TokenLoader, s: Sources, dist: DistInfo) -> None:

@@ -4,6 +4,7 @@ NaN and loss spikes, atomic checkpoints with exact resume, TensorBoard."""
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from pathlib import Path
@@ -11,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pytrain.config import TrainConfig
+from pytrain.config import TrainConfig, derive_grad_accum
 from pytrain.data.batch import DeviceBatch, DeviceFeed, HostBatch
 from pytrain.model import flash4, float8, fused_gelu
 from pytrain.model.gpt import GPT, LossModule, checkpoint_every
-from pytrain.optim.build import build_optimizer
+from pytrain.optim.build import build_optimizer, keeps_masters
 from pytrain.optim.schedule import lr_at
 from pytrain.optim.step import OptimizerStep
 from pytrain.train import (
@@ -24,6 +25,7 @@ from pytrain.train import (
     compile_policy,
     disk,
     distributed,
+    parallel,
     run_lock,
     run_state,
     sharded_checkpoint,
@@ -32,10 +34,10 @@ from pytrain.train import (
 from pytrain.train.evaluation import Evaluator
 from pytrain.train.guard import PendingStep, StepGuard, StepResult
 from pytrain.train.metrics import (
+    CpuClock,
     RunLog,
     StepLog,
     flops_per_token,
-    loader_cpu_seconds,
     log_mixture,
     peak_flops,
 )  # fmt: skip
@@ -69,6 +71,8 @@ class Trainer:
         self._set_up_torch(cfg.seed)
         self.precision = choose_precision(cfg.precision, self.device)
         self.sources = sources.resolve(cfg.data)
+        if accum := derive_grad_accum(cfg, self.dist.world_size):
+            self.say(accum)
         self.train_path, self.val_path = self.sources.train_path, self.sources.val_path
         self.loader = sources.train_loader(cfg.data, self.sources, cfg.optim.grad_accum, self.dist)
         sources.check_same_data(self.loader, self.sources, self.dist)
@@ -104,11 +108,11 @@ class Trainer:
     # ---- set-up -------------------------------------------------------------------------
     def _set_up_torch(self, seed: int) -> None:
         self._seed(seed)
-        if self.cfg.deterministic:
+        if self.cfg.deterministic:  # cuBLAS is deterministic only with a fixed workspace
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
-        if self.device.type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = True  # TF32 on Ampere and later
-            torch.backends.cudnn.allow_tf32 = True
+        if self.device.type == "cuda":  # TF32 on Ampere and later
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
 
     def _build_model(self) -> None:
         cfg = self.cfg
@@ -124,25 +128,29 @@ class Trainer:
         self.ckpt_every = checkpoint_every(cfg.activation_checkpointing)
         self.gpt.set_activation_checkpointing(self.ckpt_every)
         self.loss_module = LossModule(self.gpt)
-        self.module = distributed.wrap(self.loss_module, self.dist, self.device, cfg.fsdp)
-        self.sharded = cfg.fsdp and self.dist.enabled  # FSDP2: ranks hold shards of each parameter
+        masters = keeps_masters(cfg.optim, self.device, self.precision.dtype, sharded=False)
+        state = parallel.state_bytes(self.gpt, masters)
+        self.plan = parallel.choose(cfg.fsdp, self.dist, self.device, state, masters)
+        self.module = parallel.wrap(self.loss_module, self.plan, self.device, self.precision.dtype)
+        self.sharded = self.plan.sharded  # FSDP2: ranks hold shards of each parameter
 
     def _build_optimizer(self) -> None:
         o = self.cfg.optim
         self.optimizer, self.master = build_optimizer(
-            self.gpt, o, self.device, self.precision.dtype, one_process=not self.dist.enabled,
+            self.gpt, o, self.device, self.precision.dtype,
             sharded=self.sharded, fp16_scaler=self.precision.scaler is not None,
         )  # fmt: skip
+        replicas = self.dist.world_size if self.plan.kind == "replicas" else 0
         self.opt_step = OptimizerStep(
-            self.optimizer, self.gpt, self.precision.scaler, self.sharded, o.grad_clip
+            self.optimizer, self.gpt, self.precision.scaler, self.sharded, o.grad_clip, replicas
         )
         self.guard = StepGuard(o.spike_factor, o.max_bad_steps, o.warmup_steps)
 
     def _compiler(self) -> compile_policy.CompiledModel:
         c = self.cfg.compile
         decision = compile_policy.decide(
-            c.mode, c.enabled, self.device, self.ckpt_every > 0, self.cfg.data.mode == "bucket", self.dist.enabled
-        )  # fmt: skip
+            c.mode, c.enabled, self.device, self.ckpt_every > 0, self.cfg.data.mode == "bucket", self.plan.kind == "ddp",
+            fsdp2=self.sharded)  # fmt: skip
         # Evaluation goes through the unwrapped module where the parameters are whole (DDP's
         # forward would sync buffers across ranks).
         eval_module = self.module if self.sharded else self.loss_module
@@ -220,7 +228,7 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         scale = self.dist.world_size / denom
         for i, b in enumerate(batches):
-            with distributed.no_sync(self.module, last_micro_step=i == len(batches) - 1):
+            with parallel.no_sync(self.module, last_micro_step=i == len(batches) - 1):
                 loss_sum = self._micro_loss(b)
                 loss = loss_sum * scale
                 (self.precision.scaler.scale(loss) if self.precision.scaler else loss).backward()
@@ -348,11 +356,11 @@ class Trainer:
         history: list[float] = []
         val = None
         t_start = time.perf_counter()
-        cpu_start = loader_cpu_seconds()
         first_step = self.step
         self.stopped_by: str | None = None
         self.stop.install()
         self.warm_up()
+        cpu = CpuClock()  # after the compile warm-up: the loop's CPU time
         if note := distributed.set_timeout(self.dist, cfg.dist_timeout_s):  # a dead peer ends it
             self.say(note)
         # No device sync inside a step: step k is queued, then step k-1's values are read
@@ -387,10 +395,8 @@ class Trainer:
             self.step += 1
             settle_pending()
             pending = (p, wait, self.step)
-            self.profiler.after_step(self.step)
-            if self.profiler.summary is not None:
-                self.say(f"profile of steps {cfg.profile_steps}: {self.profiler.out}/summary.md")
-                self.profiler.summary = None
+            if written := self.profiler.after_step(self.step):
+                self.say(written)
                 t_mark = time.perf_counter()  # writing the trace is not step time
             eval_due = cfg.eval_every and self.step % cfg.eval_every == 0
             ckpt_due = cfg.ckpt_every and self.step % cfg.ckpt_every == 0
@@ -412,12 +418,7 @@ class Trainer:
                 break
         settle_pending()
         self.steplog.close_bar()
-        cpu_end = loader_cpu_seconds()
-        if cpu_start is not None and cpu_end is not None:
-            wall = time.perf_counter() - t_start
-            self.log.text(
-                f"loader threads CPU: {cpu_end - cpu_start:.2f}s over {wall:.2f}s of training = {(cpu_end - cpu_start) / wall:.3f} cores"
-            )
+        self.log.text(cpu.line())
         if not self.stopped_by and not (cfg.eval_every and self.step % cfg.eval_every == 0):
             val = self.evaluate()
             self.steplog.eval(self.step, val)

@@ -1,0 +1,153 @@
+"""How the ranks of a torchrun job share the work: which data-parallel wrapper, chosen once
+at start-up and said in one line, and the wrapping itself.
+
+- `single`: one process, no wrapper.
+- `replicas`: each rank holds the whole model in bf16 with its fp32 masters in the optimizer
+  (pytrain.optim.master_adamw), no wrapper. The micro-batches' gradients are summed into
+  the optimizer's fp32 buffer and that buffer is all-reduced once per optimizer step, after
+  the last backward (as Megatron-LM's DistributedDataParallel does with its fp32 gradient
+  buffer and `overlap_grad_reduce` off). The compiled graph is then the single-GPU graph:
+  torch.compile of a DDP module splits it at every gradient bucket so that DDP can overlap
+  its all-reduces, which costs fusion in every micro-batch, while with gradient
+  accumulation only the last micro-batch could overlap (the presets: 8 or more per rank at
+  up to 2 GPUs). The all-reduce is one buffer of 4 bytes a parameter (the 124M preset:
+  0.5 GB, ~2 ms over NVLink, against a step of ~0.8 s).
+- `ddp`: torch's DistributedDataParallel, where the parameters are fp32 (fp32 or fp16 runs,
+  `--optim.master_weights off`, Muon): it averages gradients on the last micro-batch
+  (`no_sync` before), in buckets that overlap the backward.
+- `fsdp2`: FSDP2's `fully_shard` per block: each rank holds a shard of the parameters,
+  gradients and optimizer state; with bf16, parameters are gathered in bf16 and gradients
+  reduced in fp32 (its MixedPrecisionPolicy, as torchtitan sets it).
+
+`--fsdp` asks for FSDP2, `--no-fsdp` for the replicated kinds; by default (auto) FSDP2 is
+used when the model's training state would take more than a quarter of one GPU's memory,
+where sharding it is what lets the model train, and otherwise not: for a model that fits,
+FSDP2's per-block gathers cost more than they save (BENCHMARKS.md, "Scaling over GPUs of
+one host")."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from pytrain.train.distributed import DistInfo
+
+AUTO_FSDP_SHARE = 0.25
+"""fsdp auto: FSDP2 when the training state exceeds this share of one device's memory."""
+
+FSDP2_VS_REPLICAS = "0.18x"
+"""FSDP2's tokens/s against replicas for the GPT-2 124M preset as shipped on 2 H100s of one
+host, 2026-11-25 (BENCHMARKS.md, "Two GPUs as fast as one"); said in the start-up line."""
+
+
+@dataclass
+class Plan:
+    kind: str
+    """'single', 'replicas', 'ddp' or 'fsdp2'."""
+    line: str
+    """What was chosen and why, for the start-up lines ('' in one process)."""
+
+    @property
+    def sharded(self) -> bool:
+        return self.kind == "fsdp2"
+
+
+def state_bytes(model: torch.nn.Module, master: bool) -> int:
+    """Bytes of parameters, gradients and AdamW moments: 2 + 4 (masters) + 4 (fp32 gradient
+    sums) + 8 with master weights, 4 + 4 + 8 with fp32 parameters."""
+    per_param = 18 if master else 16
+    return per_param * sum(p.numel() for p in model.parameters())
+
+
+def choose(
+    fsdp: bool | None, info: DistInfo, device: torch.device, state: int, master: bool
+) -> Plan:
+    """The wrapper for this run (`fsdp`: the configuration's True, False or None = auto)."""
+    if not info.enabled:
+        return Plan("single", "")
+    replicated = "replicas" if master else "ddp"
+    how = {
+        "replicas": "replicated, bf16 weights with fp32 masters, fp32 gradients all-reduced "
+        "once per optimizer step",
+        "ddp": "DDP, gradients all-reduced in buckets during the last micro-batch's backward",
+        "fsdp2": "FSDP2, parameters, gradients and optimizer state sharded over the ranks",
+    }
+    if fsdp is not None:
+        kind = "fsdp2" if fsdp else replicated
+        return Plan(kind, f"data parallel: {how[kind]} ({'--fsdp' if fsdp else '--no-fsdp'})")
+    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
+    gb = f"{state / 1e9:.1f} GB"
+    if total and state > AUTO_FSDP_SHARE * total:
+        why = f"the training state, {gb}, is over a quarter of one GPU's {total / 1e9:.0f} GB"
+        return Plan("fsdp2", f"data parallel: {how['fsdp2']} (fsdp auto: {why})")
+    where = f"one GPU's {total / 1e9:.0f} GB" if total else "one device"
+    return Plan(
+        replicated,
+        f"data parallel: {how[replicated]} (fsdp auto: the training state, {gb}, fits {where}; "
+        f"FSDP2 measured {FSDP2_VS_REPLICAS} these tokens/s for the GPT-2 124M preset on 2 GPUs; "
+        "--fsdp to shard anyway)",
+    )
+
+
+def wrap(
+    model: torch.nn.Module, plan: Plan, device: torch.device, dtype: torch.dtype | None
+) -> torch.nn.Module:
+    """The model as `plan` shares it; `dtype`: the run's autocast dtype (None: fp32)."""
+    if plan.kind == "single":
+        return model
+    if plan.kind == "replicas":
+        # What DDP does when it wraps: every rank starts from rank 0's weights.
+        for t in (*model.parameters(), *model.buffers()):
+            dist.broadcast(t.data, src=0)
+        return model
+    if plan.kind == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        # The mesh on the training device: FSDP2's default takes the machine's accelerator,
+        # which breaks a run on the CPU (--device cpu) of a host that has GPUs.
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        mp = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if dtype == torch.bfloat16
+            else MixedPrecisionPolicy()
+        )
+        for block in model.gpt.blocks:  # type: ignore[union-attr]
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        return model
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        # The gradients are views of DDP's buckets: no copy into them, no second copy
+        # of the gradients in memory.
+        gradient_as_bucket_view=True,
+    )
+
+
+def no_sync(model: torch.nn.Module, last_micro_step: bool):
+    """Skips the gradient all-reduce on all but the last micro-step of an optimizer step."""
+    if last_micro_step:
+        return nullcontext()
+    if hasattr(model, "no_sync"):  # DDP
+        return model.no_sync()  # type: ignore[operator]
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(False)  # type: ignore[operator]
+        return _ResyncAfter(model)
+    return nullcontext()
+
+
+class _ResyncAfter:
+    def __init__(self, model):
+        self.model = model
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.model.set_requires_gradient_sync(True)
