@@ -53,7 +53,8 @@ class Encoder:
 
 @final
 class Dataset:
-    def __new__(cls, path: str) -> Self: ...
+    def __new__(cls, path: str, cache_dir: str | None = None, cache_gb: float = 0.0) -> Self:
+        """`cache_dir`, `cache_gb`: a bounded local cache of a remote dataset's frames."""
     @property
     def n_docs(self) -> int: ...
     @property

@@ -72,8 +72,8 @@ def _not_a_flag(default=dataclasses.MISSING, **kw):
 class LoaderConfig:
     """How batches are cut: the one definition of the loader's settings and their
     defaults (`TokenLoader`, the Rust loader and the trainer's `[data]` section all read
-    this). Everything but `threads`, `prefetch_blocks`, `slots` and `pin_memory` changes
-    the batches and is checked against a saved state."""
+    this). Everything but `threads`, `prefetch_blocks`, `slots`, `pin_memory` and the cache
+    changes the batches and is checked against a saved state."""
 
     mode: str = "pack"
     """'pack': rows of seq_len+1 tokens filled with whole documents (cut only when longer
@@ -95,6 +95,12 @@ class LoaderConfig:
     """Blocks decoded ahead; 0 means 2 per thread."""
     slots: int = 4
     """Batches buffered ahead of the consumer."""
+    cache_dir: str = ""
+    """A dataset in object storage (s3://): keep the frames it reads under this directory
+    (one subdirectory per dataset, by its manifest's hash), so later epochs, restarts and
+    the node's other ranks read them from local disk. Empty: no cache."""
+    cache_gb: float = 20.0
+    """The cache's bound in GB (per process); least recently used frames go first."""
     skip_corrupt: bool = False
     """Leave out frames that fail their checksum (counted in stats()["frames_skipped"])
     instead of raising CorruptShardError."""

@@ -110,6 +110,12 @@ impl Dataset {
     /// (crate::storage), whose manifest is read whole and each shard's footer and index by
     /// ranged requests.
     pub fn open(dir: &Path) -> Result<Self> {
+        Self::open_cached(dir, None)
+    }
+
+    /// `open`, keeping the frames of a remote dataset in a bounded local cache: `cache` is
+    /// (directory, bytes at most); ignored for a local dataset (crate::storage::FrameCache).
+    pub fn open_cached(dir: &Path, cache: Option<(&Path, u64)>) -> Result<Self> {
         let mpath = dir.join(MANIFEST);
         let remote = match dir.to_str() {
             Some(url) if crate::storage::is_remote(url) => Some(crate::storage::Remote::open(url)?),
@@ -146,11 +152,21 @@ impl Dataset {
         if manifest.shards.is_empty() {
             return Err(manifest_err(&mpath, "field 'shards' is empty"));
         }
+        let frame_cache = match (&remote, cache) {
+            (Some(_), Some((root, limit))) => Some(crate::storage::FrameCache::open(
+                root,
+                checksum(&bytes),
+                limit,
+            )?),
+            _ => None,
+        };
         let mut shards = Vec::with_capacity(manifest.shards.len());
         let mut frames = Vec::new();
         for (si, ms) in manifest.shards.iter().enumerate() {
             let reader = match &remote {
-                Some(r) => ShardReader::open_remote(r.clone(), &ms.file, ms.bytes)?,
+                Some(r) => {
+                    ShardReader::open_remote(r.clone(), &ms.file, ms.bytes, frame_cache.clone())?
+                }
                 None => ShardReader::open(&dir.join(&ms.file))?,
             };
             let field = |name: &str, want: u64, got: u64| -> Result<()> {

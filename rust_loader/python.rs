@@ -184,10 +184,28 @@ struct PyDataset {
 
 #[pymethods]
 impl PyDataset {
+    /// `cache_dir` and `cache_gb`: a bounded local cache of a remote dataset's frames
+    /// (crate::storage::FrameCache); ignored for a local dataset.
     #[new]
-    fn new(py: Python<'_>, path: PathBuf) -> PyResult<Self> {
+    #[pyo3(signature = (path, cache_dir = None, cache_gb = 0.0))]
+    fn new(
+        py: Python<'_>,
+        path: PathBuf,
+        cache_dir: Option<PathBuf>,
+        cache_gb: f64,
+    ) -> PyResult<Self> {
+        if cache_gb.is_nan() || cache_gb < 0.0 {
+            return Err(PyValueError::new_err(format!(
+                "cache_gb is {cache_gb}; expected a size in GB >= 0"
+            )));
+        }
+        let limit = (cache_gb * 1e9) as u64;
+        let cache = cache_dir
+            .as_deref()
+            .filter(|_| limit > 0)
+            .map(|d| (d, limit));
         Ok(PyDataset {
-            inner: Arc::new(run(py, || Dataset::open(&path))?),
+            inner: Arc::new(run(py, || Dataset::open_cached(&path, cache))?),
         })
     }
     #[getter]

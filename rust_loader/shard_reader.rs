@@ -14,7 +14,7 @@ use crate::format::{
     checksum, read_u32, read_u64, Footer, FrameEntry, TokenDtype, FOOTER_LEN, FRAME_ENTRY_LEN,
     INDEX_HEADER_LEN,
 };
-use crate::storage::Remote;
+use crate::storage::{FrameCache, Remote};
 use bytes::Bytes;
 
 enum Source {
@@ -24,6 +24,8 @@ enum Source {
         remote: Arc<Remote>,
         file: String,
         index: Bytes,
+        /// Frames kept on the local disk (`data.cache_dir`), if asked for.
+        cache: Option<Arc<FrameCache>>,
     },
 }
 
@@ -32,6 +34,8 @@ enum Source {
 pub enum FrameBytes<'a> {
     Mapped(&'a [u8]),
     Fetched(Bytes),
+    /// Read from the local cache of remote frames.
+    Cached(Vec<u8>),
 }
 
 impl std::ops::Deref for FrameBytes<'_> {
@@ -40,6 +44,7 @@ impl std::ops::Deref for FrameBytes<'_> {
         match self {
             FrameBytes::Mapped(b) => b,
             FrameBytes::Fetched(b) => b,
+            FrameBytes::Cached(b) => b,
         }
     }
 }
@@ -79,7 +84,12 @@ impl ShardReader {
 
     /// Opens object `file` of a remote directory, `file_len` bytes long (as its manifest
     /// says): two ranged reads, the footer, then the index.
-    pub fn open_remote(remote: Arc<Remote>, file: &str, file_len: u64) -> Result<Self> {
+    pub fn open_remote(
+        remote: Arc<Remote>,
+        file: &str,
+        file_len: u64,
+        cache: Option<Arc<FrameCache>>,
+    ) -> Result<Self> {
         let name = remote.url_of(file);
         if file_len < FOOTER_LEN as u64 {
             return Err(Error::corrupt(&name, None, "file shorter than the footer"));
@@ -93,6 +103,7 @@ impl ShardReader {
             remote,
             file: file.to_string(),
             index,
+            cache,
         };
         Ok(parsed.into_reader(name, source, footer, start, file_len))
     }
@@ -130,8 +141,24 @@ impl ShardReader {
     }
 
     /// The compressed bytes of frame `i`, exactly as stored (an ordinary zstd frame): a
-    /// view of the map, or one ranged read of the remote object.
+    /// view of the map, the local cache's copy of a remote frame, or one ranged read of the
+    /// remote object.
     pub fn raw_frame(&self, i: usize) -> Result<FrameBytes<'_>> {
+        if let Source::Remote {
+            cache: Some(c),
+            file,
+            ..
+        } = &self.source
+        {
+            if let Some(bytes) = c.get(&format!("{file}.{i}")) {
+                return Ok(FrameBytes::Cached(bytes));
+            }
+        }
+        self.read_frame(i)
+    }
+
+    /// Frame `i` from where the shard lives (the map, or the object store), not the cache.
+    fn read_frame(&self, i: usize) -> Result<FrameBytes<'_>> {
         let f = &self.frames[i];
         let (start, end) = (f.offset, f.offset + f.compressed_len);
         match &self.source {
@@ -159,14 +186,37 @@ impl ShardReader {
                 format!("shard has only {} frames", self.frames.len()),
             )
         })?;
-        let raw = self.raw_frame(i)?;
-        let raw: &[u8] = &raw;
+        let mut frame = self.raw_frame(i)?;
+        if matches!(frame, FrameBytes::Cached(_)) && checksum(&frame) != f.checksum {
+            // The cache's copy went bad on the local disk: dropped, fetched again.
+            if let Source::Remote {
+                cache: Some(c),
+                file,
+                ..
+            } = &self.source
+            {
+                c.forget(&format!("{file}.{i}"));
+            }
+            frame = self.read_frame(i)?;
+        }
+        let raw: &[u8] = &frame;
         if checksum(raw) != f.checksum {
             return Err(Error::corrupt(
                 &self.name,
                 Some(i),
                 "frame checksum mismatch",
             ));
+        }
+        if let (
+            FrameBytes::Fetched(b),
+            Source::Remote {
+                cache: Some(c),
+                file,
+                ..
+            },
+        ) = (&frame, &self.source)
+        {
+            c.put(&format!("{file}.{i}"), b); // only bytes whose checksum held
         }
         let want = f.n_tokens as usize * self.dtype.width();
         // The frame header states its content size: check it before allocating, so a

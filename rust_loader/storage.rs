@@ -150,3 +150,117 @@ pub fn read_file(location: &str, name: &str) -> Result<Option<Vec<u8>>> {
         Err(e) => Err(Error::io(&path, e)),
     }
 }
+
+/// A bounded local cache of the frames read from object storage: each frame, once its
+/// checksum held, is kept as a file `<cache_dir>/<manifest hash>/<shard>.<frame>`, so a
+/// second epoch, a restarted run or another rank of the node reads it from the local disk.
+/// Keyed by the manifest's hash, datasets never mix, wherever they are read from. Bounded
+/// by `limit` bytes of this process's view, least recently used first out (ranks on one
+/// node each keep their own bound over the shared files). A cached frame is checked like
+/// any other; one that fails is dropped and fetched again (crate::shard_reader).
+pub struct FrameCache {
+    dir: std::path::PathBuf,
+    limit: u64,
+    /// (file name, bytes), least recently used first; and their total.
+    state: std::sync::Mutex<(std::collections::VecDeque<(String, u64)>, u64)>,
+}
+
+impl FrameCache {
+    /// The cache of the dataset whose manifest hashes to `key`, under `root`; what an
+    /// earlier process left there counts against `limit` (oldest first out).
+    pub fn open(root: &std::path::Path, key: u64, limit: u64) -> Result<Arc<Self>> {
+        let dir = root.join(format!("{key:016x}"));
+        std::fs::create_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
+        let mut found = Vec::new();
+        for entry in std::fs::read_dir(&dir).map_err(|e| Error::io(&dir, e))? {
+            let entry = entry.map_err(|e| Error::io(&dir, e))?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let Ok(meta) = entry.metadata() else { continue };
+            if name.contains(".tmp") {
+                let _ = std::fs::remove_file(entry.path()); // a write that died midway
+                continue;
+            }
+            let mtime = meta.modified().ok();
+            found.push((mtime, name, meta.len()));
+        }
+        found.sort();
+        let used = found.iter().map(|f| f.2).sum();
+        let order = found.into_iter().map(|(_, n, len)| (n, len)).collect();
+        let cache = Arc::new(FrameCache {
+            dir,
+            limit,
+            state: std::sync::Mutex::new((order, used)),
+        });
+        cache.evict();
+        Ok(cache)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, (std::collections::VecDeque<(String, u64)>, u64)> {
+        // A panic while holding the lock leaves only this bookkeeping behind: still usable.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Frame `name`'s bytes, if cached (it becomes the most recently used).
+    pub fn get(&self, name: &str) -> Option<Vec<u8>> {
+        let bytes = std::fs::read(self.dir.join(name)).ok()?;
+        let mut s = self.lock();
+        if let Some(at) = s.0.iter().position(|(n, _)| n == name) {
+            let entry = s.0.remove(at).expect("position is in range");
+            s.0.push_back(entry);
+        }
+        Some(bytes)
+    }
+
+    /// Keeps frame `name` (written to a temporary file, then renamed: a reader never sees
+    /// half a frame), then evicts down to the bound. Failing to write only loses the cache.
+    pub fn put(&self, name: &str, bytes: &[u8]) {
+        let len = bytes.len() as u64;
+        if len > self.limit {
+            return;
+        }
+        // A name of its own per write: two threads (or ranks) keeping the same frame at
+        // once never write into one file.
+        static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tmp = self
+            .dir
+            .join(format!("{name}.tmp{}-{n}", std::process::id()));
+        if std::fs::write(&tmp, bytes).is_err()
+            || std::fs::rename(&tmp, self.dir.join(name)).is_err()
+        {
+            let _ = std::fs::remove_file(&tmp);
+            return;
+        }
+        {
+            let mut s = self.lock();
+            if let Some(at) = s.0.iter().position(|(n, _)| n == name) {
+                let (_, old) = s.0.remove(at).expect("position is in range");
+                s.1 -= old;
+            }
+            s.0.push_back((name.to_string(), len));
+            s.1 += len;
+        }
+        self.evict();
+    }
+
+    /// Drops frame `name` (its bytes failed their checksum).
+    pub fn forget(&self, name: &str) {
+        let _ = std::fs::remove_file(self.dir.join(name));
+        let mut s = self.lock();
+        if let Some(at) = s.0.iter().position(|(n, _)| n == name) {
+            let (_, len) = s.0.remove(at).expect("position is in range");
+            s.1 -= len;
+        }
+    }
+
+    fn evict(&self) {
+        let mut s = self.lock();
+        while s.1 > self.limit {
+            let Some((name, len)) = s.0.pop_front() else {
+                break;
+            };
+            let _ = std::fs::remove_file(self.dir.join(&name));
+            s.1 -= len;
+        }
+    }
+}

@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+from loader_timing import read_for  # noqa: E402
 
 
 def run(n: int, args, data: Path, fsdp: bool, profile: bool) -> dict:
@@ -99,12 +101,7 @@ def loader_cpu_per_token(args, data: Path, world: int) -> float:
 
     cfg = parse_args(["--config", str(args.preset), "--data.path", str(data)])
     loader = TokenLoader(data, cfg.data, rank=0, world_size=world)
-    tokens, c0, t0 = 0, time.process_time(), time.perf_counter()
-    while time.perf_counter() - t0 < 5.0:
-        batch = next(loader)
-        tokens += batch.tokens.shape[0] * (batch.tokens.shape[1] - 1)
-        batch.release()
-    cpu = time.process_time() - c0
+    tokens, _, cpu = read_for(loader, 5.0)
     loader.close()
     return cpu / tokens
 

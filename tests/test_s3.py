@@ -5,14 +5,10 @@ checksums and batches as the local copy, and one clear line for what cannot be r
 
 from __future__ import annotations
 
-import http.client
-import http.server
 import itertools
 import re
-import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -24,123 +20,29 @@ from pytrain.data import TokenLoader
 
 boto3 = pytest.importorskip("boto3")
 pytest.importorskip("moto")
-
-BUCKET = "corpus"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from s3_local import BUCKET, MotoServer, Proxy, client, env, upload  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def s3_server():
     """moto's S3 server in a process of its own; yields its endpoint URL."""
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
-            break
-        except OSError:
-            time.sleep(0.05)
-    yield url
-    proc.terminate()
-    proc.wait(10)
-
-
-def _client(endpoint: str):
-    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                        aws_access_key_id="test", aws_secret_access_key="test")  # fmt: skip
-
-
-def upload(endpoint: str, local: Path, prefix: str) -> str:
-    """Every file of a dataset, the manifest last (readers never see half a dataset)."""
-    s3 = _client(endpoint)
-    try:
-        s3.create_bucket(Bucket=BUCKET)
-    except s3.exceptions.BucketAlreadyOwnedByYou:
-        pass
-    files = sorted(p for p in local.iterdir() if p.name != "manifest.json")
-    for p in [*files, local / "manifest.json"]:
-        s3.upload_file(str(p), BUCKET, f"{prefix}/{p.name}")
-    return f"s3://{BUCKET}/{prefix}"
+    server = MotoServer()
+    yield server.url
+    server.close()
 
 
 @pytest.fixture
 def aws_env(monkeypatch):
     def use(endpoint: str) -> None:
-        for key, value in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
-                           "AWS_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint,
-                           "AWS_ALLOW_HTTP": "true"}.items():  # fmt: skip
+        for key, value in env(endpoint).items():
             monkeypatch.setenv(key, value)
 
     return use
 
 
-class FaultProxy:
-    """An HTTP proxy in front of the S3 server that answers every `every`-th request with
-    `status` (503: slow down), and cuts the connection of every `cut`-th one before any
-    response."""
-
-    def __init__(self, upstream: str, every: int = 3, cut: int = 5, status: int = 503):
-        host, port = upstream.removeprefix("http://").split(":")
-        count = itertools.count(1)
-        self.faults = {"503": 0, "cut": 0, "passed": 0}
-        proxy = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args):  # quiet
-                pass
-
-            def _forward(self):
-                n = next(count)
-                length = int(self.headers.get("Content-Length") or 0)
-                body = self.rfile.read(length) if length else None
-                if n % cut == 0:
-                    proxy.faults["cut"] += 1
-                    self.close_connection = True
-                    self.connection.shutdown(socket.SHUT_RDWR)
-                    return
-                if n % every == 0:
-                    proxy.faults["503"] += 1
-                    code = "SlowDown" if status == 503 else "AccessDenied"
-                    msg = f"<Error><Code>{code}</Code></Error>".encode()
-                    self.send_response(status)
-                    self.send_header("Content-Length", str(len(msg)))
-                    self.end_headers()
-                    self.wfile.write(msg)
-                    return
-                conn = http.client.HTTPConnection(host, int(port), timeout=30)
-                hop = ("connection", "keep-alive", "proxy-connection", "te", "upgrade")
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in hop}
-                conn.request(self.command, self.path, body, {**headers, "Connection": "close"})
-                r = conn.getresponse()
-                data = r.read()
-                self.send_response(r.status)
-                for k, v in r.getheaders():
-                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
-                        self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(data)
-                proxy.faults["passed"] += 1
-                conn.close()
-
-            do_GET = do_HEAD = do_PUT = do_POST = _forward
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
+def FaultProxy(upstream: str, every: int = 3, cut: int = 5, status: int = 503) -> Proxy:
+    """The proxy answering every `every`-th request with `status`, cutting every `cut`-th."""
+    return Proxy(upstream, every=every, cut=cut, status=status)
 
 
 def documents(ds) -> list[tuple[int, ...]]:
@@ -153,14 +55,26 @@ def documents(ds) -> list[tuple[int, ...]]:
     return out
 
 
-def batches(path: str, n: int) -> list[np.ndarray]:
-    loader = TokenLoader(path, seq_len=64, batch_size=4, seed=3, threads=2)
+def batches(path, n: int, **kw) -> list[np.ndarray]:
+    loader = TokenLoader(path, seq_len=64, batch_size=4, seed=3, threads=2, **kw)
     out = []
     for b in itertools.islice(loader, n):
         out.append(b.inputs.clone().numpy())
         b.release()
     loader.close()
     return out
+
+
+def test_a_mixture_of_a_remote_and_a_local_dataset_reads_as_two_local_ones(
+    s3_server, aws_env, small_corpus
+):
+    train, val = small_corpus
+    aws_env(s3_server)
+    url = upload(s3_server, train, "mixed")
+    weights = {"web": 0.7, "code": 0.3}
+    got = batches({"web": url, "code": str(val)}, 16, weights=weights)
+    want = batches({"web": str(train), "code": str(val)}, 16, weights=weights)
+    assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 def test_a_dataset_in_s3_reads_as_its_local_copy(s3_server, aws_env, small_corpus):
@@ -203,7 +117,7 @@ def test_a_missing_object_is_one_line_naming_it(s3_server, aws_env, small_corpus
     aws_env(s3_server)
     url = upload(s3_server, train, "missing")
     shard = sorted(p.name for p in train.iterdir() if p.suffix == ".tks")[0]
-    _client(s3_server).delete_object(Bucket=BUCKET, Key=f"missing/{shard}")
+    client(s3_server).delete_object(Bucket=BUCKET, Key=f"missing/{shard}")
     with pytest.raises(_loader.RemoteError) as e:
         _loader.Dataset(url)
     assert str(e.value) == f"{url}/{shard}: its footer: no such object"
@@ -254,14 +168,14 @@ def test_a_refused_request_is_one_line_without_the_secret(s3_server, aws_env, mo
     assert time.perf_counter() - t0 < 10
 
 
-def _train(data: str, val: str, out: Path, env: dict) -> subprocess.CompletedProcess:
+def _train(data: str, val: str, out: Path, environ: dict) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "pytrain.train", "--data.path", data, "--data.val_path", val,
            "--out_dir", str(out), "--name", "run", "--max_steps", "4", "--eval_every", "2",
            "--eval_batches", "2", "--log_every", "1", "--samples", "1", "--sample_tokens", "8",
            "--model.n_layer", "1", "--model.n_head", "2", "--model.d_model", "32",
            "--data.seq_len", "64", "--data.batch_size", "2", "--data.frames_per_block", "1",
            "--device", "cpu", "--no-tensorboard", "--no-progress", "--deterministic"]  # fmt: skip
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run(cmd, capture_output=True, text=True, env=environ, timeout=300)
 
 
 def test_training_verify_and_inspect_take_s3_urls(s3_server, small_corpus, tmp_path):
@@ -278,22 +192,20 @@ def test_training_verify_and_inspect_take_s3_urls(s3_server, small_corpus, tmp_p
     shutil.copytree(train, local)
     train_bpe(["a few words of text, and a few more"] * 20, 300).save(str(local / "tokenizer.json"))
     url, val_url = upload(s3_server, local, "user/train"), upload(s3_server, val, "user/val")
-    env = {**os.environ, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
-           "AWS_REGION": "us-east-1", "AWS_ENDPOINT_URL": s3_server, "AWS_ALLOW_HTTP": "true",
-           "OMP_NUM_THREADS": "1"}  # fmt: skip
+    user_env = {**os.environ, **env(s3_server), "OMP_NUM_THREADS": "1"}
     tool = [sys.executable, "-m", "pytrain.pack_shards"]
-    r = subprocess.run([*tool, "verify", url], capture_output=True, text=True, env=env)
+    r = subprocess.run([*tool, "verify", url], capture_output=True, text=True, env=user_env)
     n_tokens = _loader.Dataset(str(local)).n_tokens
     assert r.returncode == 0 and r.stdout.startswith(f"{url}: OK"), r.stderr
     assert f"{n_tokens:,} tokens" in r.stdout
-    r = subprocess.run([*tool, "inspect", url], capture_output=True, text=True, env=env)
+    r = subprocess.run([*tool, "inspect", url], capture_output=True, text=True, env=user_env)
     assert r.returncode == 0 and f"tokens      {n_tokens:,}" in r.stdout, r.stderr
-    remote = _train(url, val_url, tmp_path / "remote", env)
+    remote = _train(url, val_url, tmp_path / "remote", user_env)
     assert remote.returncode == 0, remote.stderr[-3000:]
     assert "--- sample 1 ---" in remote.stdout
     kept = tmp_path / "remote" / "run" / "tokenizer.json"
     assert kept.read_bytes() == (local / "tokenizer.json").read_bytes()
-    mine = _train(str(local), str(val), tmp_path / "local", env)
+    mine = _train(str(local), str(val), tmp_path / "local", user_env)
     assert mine.returncode == 0, mine.stderr[-3000:]
     losses = [
         re.findall(r"step (\d+) loss (\S+)", (tmp_path / w / "run" / "train.log").read_text())
@@ -301,6 +213,43 @@ def test_training_verify_and_inspect_take_s3_urls(s3_server, small_corpus, tmp_p
     ]
     assert len(losses[0]) == 4 and losses[0] == losses[1]
     # A bucket that does not exist: one line naming it, no traceback.
-    bad = _train("s3://no-such-bucket/x", val_url, tmp_path / "bad", env)
+    bad = _train("s3://no-such-bucket/x", val_url, tmp_path / "bad", user_env)
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
     assert "s3://no-such-bucket/x" in bad.stderr.strip().splitlines()[-1]
+
+
+def test_the_frame_cache_serves_later_reads_stays_bounded_and_refetches_a_bad_copy(
+    s3_server, aws_env, small_corpus, tmp_path
+):
+    train, _ = small_corpus
+    url = upload(s3_server, train, "cached")
+    local = _loader.Dataset(str(train))
+    proxy = Proxy(s3_server)
+    aws_env(proxy.url)
+    cache = tmp_path / "cache"
+    want = batches(str(train), 10**6, num_epochs=1)
+    try:
+        first = batches(url, 10**6, num_epochs=1, cache_dir=str(cache), cache_gb=1.0)
+        fetched = proxy.faults["passed"]
+        again = batches(url, 10**6, num_epochs=1, cache_dir=str(cache), cache_gb=1.0)
+        # The second epoch asked the store for the manifest, footers and indexes only.
+        shards = len([p for p in train.iterdir() if p.suffix == ".tks"])
+        assert proxy.faults["passed"] - fetched <= 1 + 2 * shards
+        frames = sorted((cache / local.manifest_hash).iterdir())
+        assert len(frames) == local.n_frames
+        # A copy gone bad on the local disk is dropped and fetched again.
+        bad = bytearray(frames[0].read_bytes())
+        bad[len(bad) // 2] ^= 0xFF
+        frames[0].write_bytes(bytes(bad))
+        mended = batches(url, 10**6, num_epochs=1, cache_dir=str(cache), cache_gb=1.0)
+        assert frames[0].read_bytes() != bytes(bad)
+        # A bound of three frames' bytes: the cache never holds more.
+        small = tmp_path / "small"
+        limit = 3 * max(p.stat().st_size for p in frames)
+        bounded = batches(url, 10**6, num_epochs=1, cache_dir=str(small), cache_gb=limit / 1e9)
+        held = sum(p.stat().st_size for p in (small / local.manifest_hash).iterdir())
+        assert 0 < held <= limit
+    finally:
+        proxy.close()
+    for got in (first, again, mended, bounded):
+        assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))

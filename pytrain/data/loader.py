@@ -61,7 +61,11 @@ class TokenLoader:
         self.sources = {name: location(p) for name, p in sources.items()}
         self.names = list(self.sources)
         self.path = self.sources[self.names[0]]
-        self.datasets = [_loader.Dataset(str(p)) for p in self.sources.values()]
+        cache = self.config.cache_dir or None
+        self.datasets = [
+            _loader.Dataset(str(p), cache_dir=cache, cache_gb=self.config.cache_gb)
+            for p in self.sources.values()
+        ]
         self.dataset = self.datasets[0]  # a mixture's sources share one vocabulary
         self._schedule = self._mixture(weights, stages)
         self._inner: _loader.Loader | None = None
