@@ -5,7 +5,8 @@ download of the same objects, same number of connections, through obstore: Pytho
 binding of the same object_store crate), and MosaicML Streaming reading the same tokens
 from the same server. All in one command.
 
-    python scripts/bench_s3.py [--text-mb 40] [--latency-ms 0,20,80] [--seconds 12]
+    pip install --no-deps --target .bench-site -r scripts/bench_s3.requirements.txt
+    python scripts/bench_s3.py --streaming-site .bench-site [--text-mb 40] [--seconds 12]
 
 Text: the Python sources of this environment (scripts/realtext.py; real text, as JSONL),
 a byte-level BPE of 8192 trained on its first megabytes, packed by pack-shards (zstd 3).
@@ -151,7 +152,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=4)
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "pytrain-s3")
     p.add_argument("--streaming-site", type=Path, default=None,
-                   help="a directory where mosaicml-streaming is installed (pip --target)")  # fmt: skip
+                   help="where mosaicml-streaming and obstore are installed (pip --target)")  # fmt: skip
     args = p.parse_args()
     if args.streaming_site:
         sys.path.insert(0, str(args.streaming_site))
