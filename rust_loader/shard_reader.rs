@@ -187,8 +187,10 @@ impl ShardReader {
             )
         })?;
         let mut frame = self.raw_frame(i)?;
-        if matches!(frame, FrameBytes::Cached(_)) && checksum(&frame) != f.checksum {
-            // The cache's copy went bad on the local disk: dropped, fetched again.
+        if !matches!(frame, FrameBytes::Mapped(_)) && checksum(&frame) != f.checksum {
+            // Bytes from elsewhere than this disk's shard are read once more before the
+            // frame is called corrupt: a body damaged on the way, or a cached copy gone bad
+            // on the local disk (dropped first), is fetched again from the store.
             if let Source::Remote {
                 cache: Some(c),
                 file,

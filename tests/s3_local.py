@@ -75,14 +75,21 @@ class Proxy:
     """An HTTP proxy in front of the S3 server (many connections at once). Each request
     waits `delay_s` first (a far-away store's round trip); every `every`-th is answered
     with `status` (503: slow down; 403: access denied) and every `cut`-th connection is cut
-    before any response (0: never)."""
+    before any response (0: never). `damage`: a byte range ('bytes=A-B', as a ranged GET
+    asks for it) whose first response has one byte flipped (a body damaged on the way)."""
 
     def __init__(
-        self, upstream: str, every: int = 0, cut: int = 0, status: int = 503, delay_s: float = 0.0
+        self,
+        upstream: str,
+        every: int = 0,
+        cut: int = 0,
+        status: int = 503,
+        delay_s: float = 0.0,
+        damage: str = "",
     ):
         host, port = upstream.removeprefix("http://").split(":")
         count = itertools.count(1)
-        self.faults = {"503": 0, "cut": 0, "passed": 0}
+        self.faults = {"503": 0, "cut": 0, "passed": 0, "damaged": 0}
         proxy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -117,6 +124,9 @@ class Proxy:
                 conn.request(self.command, self.path, body, {**headers, "Connection": "close"})
                 r = conn.getresponse()
                 data = r.read()
+                if damage and self.headers.get("Range") == damage and not proxy.faults["damaged"]:
+                    proxy.faults["damaged"] += 1
+                    data = data[:-1] + bytes([data[-1] ^ 0xFF])
                 self.send_response(r.status)
                 for k, v in r.getheaders():
                     if k.lower() not in ("transfer-encoding", "connection", "content-length"):

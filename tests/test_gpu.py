@@ -128,46 +128,15 @@ def test_fa4_segments_equal_document_masked_sdpa():
         torch.testing.assert_close(x1.grad.float(), x2.grad, atol=5e-2, rtol=5e-2)
 
 
-@needs_fa4
-def test_fa4_model_compiles_and_matches_the_masked_model():
-    """The GPT with attention='fa4' under torch.compile gives the loss and gradients of
-    the same weights with the SDPA document mask (eager)."""
-    from pytrain.model.gpt import GPT, ModelConfig
-
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=512, n_layer=2, n_head=4, d_model=256, max_seq_len=512)
-    gpt = GPT(cfg).cuda()
-    B, T = 4, 512
-    doc = packed_doc_ids(B, T + 1, seed=1)
-    from pytrain.data import loss_mask, position_ids
-
-    ids = torch.randint(0, 512, (B, T + 1), device="cuda")
-    d = doc.cuda()
-    args = (ids[:, :-1], ids[:, 1:], position_ids(d)[:, :-1], loss_mask(d)[:, :-1])
-    cu = torch.from_numpy(data.cu_seqlens(doc[:, :-1].numpy())).cuda()
-    got = bf16_loss_and_grads(
-        gpt, torch.compile(gpt.loss_sum), *args, gpt.make_mask(d[:, :-1], "fa4", cu)
-    )
-    want = bf16_loss_and_grads(gpt, gpt.loss_sum, *args, gpt.make_mask(d[:, :-1], "sdpa_mask"))
-    # A kernel that attended across documents or dropped a segment would be off by far more.
-    assert_same_loss_and_grads(gpt, got, want)
-
-
-@needs_cuda
-@pytest.mark.parametrize("attention", ["flex", "fa4"])
-def test_gqa_model_compiles_and_matches_the_masked_model(attention):
-    """Grouped-query attention (8 query heads over 2 key/value heads) through compiled
-    FlexAttention or FA4 gives the loss and gradients of SDPA with the document mask."""
+def compiled_matches_masked(attention: str, **model) -> None:
+    """A 2-layer GPT (seed 0) with `attention` under torch.compile gives the loss and
+    gradients of the same weights with the SDPA document mask (eager), on 4 x 512 tokens
+    of packed documents."""
     from pytrain.data import loss_mask, position_ids
     from pytrain.model.gpt import GPT, ModelConfig
 
-    if attention == "fa4" and not fa4_available():
-        pytest.skip("needs flash-attn-4 on sm90/sm100")
     torch.manual_seed(0)
-    cfg = ModelConfig(
-        vocab_size=512, n_layer=2, n_head=8, n_kv_head=2, d_model=512, max_seq_len=512
-    )
-    gpt = GPT(cfg).cuda()
+    gpt = GPT(ModelConfig(vocab_size=512, n_layer=2, max_seq_len=512, **model)).cuda()
     B, T = 4, 512
     doc = packed_doc_ids(B, T + 1, seed=1)
     ids = torch.randint(0, 512, (B, T + 1), device="cuda")
@@ -177,7 +146,22 @@ def test_gqa_model_compiles_and_matches_the_masked_model(attention):
     mask = gpt.make_mask(d[:, :-1], attention, cu)
     got = bf16_loss_and_grads(gpt, torch.compile(gpt.loss_sum), *args, mask)
     want = bf16_loss_and_grads(gpt, gpt.loss_sum, *args, gpt.make_mask(d[:, :-1], "sdpa_mask"))
+    # A kernel that attended across documents or dropped a segment would be off by far more.
     assert_same_loss_and_grads(gpt, got, want)
+
+
+@needs_fa4
+def test_fa4_model_compiles_and_matches_the_masked_model():
+    compiled_matches_masked("fa4", n_head=4, d_model=256)
+
+
+@needs_cuda
+@pytest.mark.parametrize("attention", ["flex", "fa4"])
+def test_gqa_model_compiles_and_matches_the_masked_model(attention):
+    """Grouped-query attention: 8 query heads over 2 key/value heads."""
+    if attention == "fa4" and not fa4_available():
+        pytest.skip("needs flash-attn-4 on sm90/sm100")
+    compiled_matches_masked(attention, n_head=8, n_kv_head=2, d_model=512)
 
 
 def small_gpt_and_batch(masked: bool = True, **model):

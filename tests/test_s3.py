@@ -150,6 +150,21 @@ def test_a_corrupted_remote_frame_is_refused_by_its_checksum(
         _loader.Dataset(url).read_frame(0)
 
 
+def test_a_frame_damaged_on_the_way_is_fetched_again(s3_server, aws_env, small_corpus):
+    train, _ = small_corpus
+    url = upload(s3_server, train, "damaged")
+    local = _loader.Dataset(str(train))
+    _, offset, length, _ = local.frame_location(0)
+    proxy = Proxy(s3_server, damage=f"bytes={offset}-{offset + length - 1}")
+    try:
+        aws_env(proxy.url)
+        got = _loader.Dataset(url).read_frame(0)
+    finally:
+        proxy.close()
+    assert proxy.faults["damaged"] == 1  # the first answer was bad, the second served
+    assert got == local.read_frame(0)
+
+
 def test_a_refused_request_is_one_line_without_the_secret(s3_server, aws_env, monkeypatch):
     """A permanent error (403) is not retried for minutes: one line naming the object, and
     nothing of the credentials in it."""
