@@ -46,6 +46,22 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _best_round_trip(n: int, device: str, save, load) -> tuple[float, float]:
+    """The fastest of `n` saves (`save(i)` returns the checkpoint's path) and of `n` loads
+    (`load(path)`), in seconds, the device drained before each clock stops."""
+    saves, loads = [], []
+    for i in range(n):
+        _sync(device)
+        t0 = time.perf_counter()
+        path = save(i)
+        saves.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        load(path)
+        _sync(device)
+        loads.append(time.perf_counter() - t0)
+    return min(saves), min(loads)
+
+
 def round_trips(
     cfg: ModelConfig, device: str, work: Path, n: int, background: list
 ) -> list[tuple[str, float, float]]:
@@ -55,21 +71,18 @@ def round_trips(
 
     out = []
     model, opt = _model_and_optimizer(cfg, device, fsdp=False)
-    saves, loads = [], []
-    for i in range(n):
-        _sync(device)
-        t0 = time.perf_counter()
-        path = checkpoint.save(
-            work / "file", i, {"model": model.state_dict(), "optimizer": opt.state_dict()}, keep=1
-        )
-        saves.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
+
+    def load_file(path):
         state = checkpoint.read(path)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
-        _sync(device)
-        loads.append(time.perf_counter() - t0)
-    out.append(("single file (no --fsdp)", min(saves), min(loads)))
+
+    def save_file(i):
+        whole = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+        return checkpoint.save(work / "file", i, whole, keep=1)
+
+    best = _best_round_trip(n, device, save_file, load_file)
+    out.append(("single file (no --fsdp)", *best))
     del model, opt
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
     dist.init_process_group(
@@ -77,20 +90,19 @@ def round_trips(
     )
     try:
         model, opt = _model_and_optimizer(cfg, device, fsdp=True)
-        saves, loads = [], []
-        for i in range(n):
-            _sync(device)
-            t0 = time.perf_counter()
-            path = sharded_checkpoint.save(
+
+        def save_dcp(i):
+            return sharded_checkpoint.save(
                 work / "dcp", i, model, opt, {"step": i}, True, dist.barrier
             )
-            saves.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
+
+        def load_dcp(path):
             state = checkpoint.read(path / checkpoint.SHARDED_STATE)
             sharded_checkpoint.load(path, model, opt, state["param_groups"])
-            _sync(device)
-            loads.append(time.perf_counter() - t0)
-        out.append(("sharded, DCP (--fsdp, 1 rank)", min(saves), min(loads)))
+
+        out.append(
+            ("sharded, DCP (--fsdp, 1 rank)", *_best_round_trip(n, device, save_dcp, load_dcp))
+        )
         writer = sharded_checkpoint.ShardedWriter()
         held, done = [], []
         for i in range(n):
