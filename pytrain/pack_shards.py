@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 from pytrain.config import location
@@ -104,7 +105,9 @@ def _pack_parser() -> argparse.ArgumentParser:
 
 def _add_output_args(p: argparse.ArgumentParser, progress: bool = True) -> None:
     """Options of the dataset written (shared by packing and import)."""
-    p.add_argument("-o", "--output", required=True, type=Path, help="dataset directory to create")
+    p.add_argument("-o", "--output", required=True, type=location,
+                   help="dataset directory to create, or an s3:// URL (packed in a temporary "
+                        "directory, then uploaded with the manifest last)")  # fmt: skip
     p.add_argument(
         "--dtype", default="auto", choices=["auto", "uint16", "uint32"], help="token dtype on disk"
     )
@@ -152,6 +155,16 @@ def pack_main(argv: list[str]) -> int:
         parser.error("--eos-token names the token --no-eos leaves out; give one or the other")
     if (args.task is None) != (args.tasks is None) or (args.tasks is not None and args.tasks < 1):
         parser.error("--task I and --tasks N come together (N >= 1, 0 <= I < N)")
+    remote, staging = None, None
+    if isinstance(args.output, str):  # object storage: pack here, then upload
+        if args.tasks is not None:
+            parser.error("--task/--tasks write parts to a shared directory: pack and merge there, "
+                         "then `pack-shards upload DIR s3://...`")  # fmt: skip
+        if (code := _refuse_existing(args.output, args.overwrite)) is not None:
+            return code
+        remote = args.output
+        staging = tempfile.TemporaryDirectory(prefix="pack-shards-")
+        args.output = Path(staging.name) / "dataset"
     _set_workers(args.workers)
     from pytrain.data.inputs import BadInputs, InputError, ReadOptions
     from pytrain.data.parts import PartError, pack_part
@@ -203,6 +216,10 @@ def pack_main(argv: list[str]) -> int:
         print("pack-shards: nothing was written to the output directory", file=sys.stderr)
         return EXIT_INPUT
     _close(bar)
+    if remote:
+        if (code := _upload(args.output, remote)) != 0:
+            return code
+        args.output = remote
     mb = report.input_bytes / 1e6
     secs = max(report.seconds, 1e-9)
     comp = sum(s["bytes"] for s in report.shards)
@@ -215,6 +232,57 @@ def pack_main(argv: list[str]) -> int:
     if bad.count:
         print(f"pack-shards: {bad.summary()}", file=sys.stderr)
     return 0
+
+
+def _refuse_existing(remote: str, overwrite: bool) -> int | None:
+    """An exit code where `remote` cannot be written (a dataset there, unless `overwrite`;
+    the store unreachable or refusing), with one line saying why; None to go on."""
+    from pytrain import _loader
+
+    try:
+        there = _loader.read_file(remote, "manifest.json") is not None
+    except _loader.LoaderError as e:
+        print(f"pack-shards: error: {e}", file=sys.stderr)
+        return EXIT_INPUT
+    if there and not overwrite:
+        print(f"pack-shards: {remote} holds a dataset already (manifest.json); "
+              "--overwrite replaces it", file=sys.stderr)  # fmt: skip
+        return EXIT_EXISTS
+    return None
+
+
+def _upload(local: Path, remote: str) -> int:
+    from pytrain import _loader
+    from pytrain.data.shards import upload
+
+    try:
+        upload(local, remote)
+    except (_loader.LoaderError, OSError) as e:
+        print(f"pack-shards: error: {e}", file=sys.stderr)
+        print(f"pack-shards: {remote}: the manifest was not uploaded; readers see no dataset there",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_INPUT
+    return 0
+
+
+def upload_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="pack-shards upload",
+        description="upload a finished dataset directory to object storage, the manifest last",
+    )
+    p.add_argument("dataset", type=Path)
+    p.add_argument("url", help="s3://bucket/prefix")
+    p.add_argument("--overwrite", action="store_true", help="replace a dataset already there")
+    args = p.parse_args(argv)
+    if not (args.dataset / "manifest.json").is_file():
+        p.error(f"{args.dataset}: not a dataset made by pack-shards (no manifest.json in it)")
+    if not args.url.startswith(("s3://", "s3a://")):
+        p.error(f"{args.url}: not an s3:// URL")
+    if (code := _refuse_existing(args.url, args.overwrite)) is not None:
+        return code
+    if (code := _upload(args.dataset, args.url)) == 0:
+        print(f"{args.dataset} -> {args.url}")
+    return code
 
 
 def _set_workers(workers: int) -> None:
@@ -441,6 +509,8 @@ def main(argv: list[str] | None = None) -> int:
         return inspect_main(argv[1:])
     if argv and argv[0] == "merge":
         return merge_main(argv[1:])
+    if argv and argv[0] == "upload":
+        return upload_main(argv[1:])
     return pack_main(argv)
 
 

@@ -136,6 +136,45 @@ impl Remote {
     }
 }
 
+impl Remote {
+    /// Uploads the local file `path` as object `name` of this directory: one PUT for a
+    /// small file, a multipart upload (16 MiB parts, several in flight) for a large one;
+    /// either way the object appears whole or not at all.
+    pub fn put_file(&self, name: &str, path: &std::path::Path) -> Result<()> {
+        use std::io::Read;
+        const PART: usize = 16 << 20;
+        let key = self.key(name);
+        let len = std::fs::metadata(path)
+            .map_err(|e| Error::io(path, e))?
+            .len();
+        runtime().block_on(async {
+            if len <= PART as u64 {
+                let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+                let r = self.store.put(&key, bytes.into()).await;
+                return r.map(|_| ()).map_err(|e| self.err(name, "writing it", e));
+            }
+            let upload = (self.store.put_multipart(&key).await)
+                .map_err(|e| self.err(name, "starting its upload", e))?;
+            let mut writer = object_store::WriteMultipart::new_with_chunk_size(upload, PART);
+            let mut file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+            let mut buf = vec![0u8; PART];
+            loop {
+                let n = file.read(&mut buf).map_err(|e| Error::io(path, e))?;
+                if n == 0 {
+                    break;
+                }
+                // At most 4 parts in flight: memory stays bounded for any file size.
+                (writer.wait_for_capacity(4).await)
+                    .map_err(|e| self.err(name, "uploading a part", e))?;
+                writer.write(&buf[..n]);
+            }
+            (writer.finish().await)
+                .map(|_| ())
+                .map_err(|e| self.err(name, "finishing its upload", e))
+        })
+    }
+}
+
 /// File `name` of the dataset directory `location` (a local path or an s3:// URL), or None
 /// where it has no such file: small files beside the shards (the tokenizer), for tools
 /// that would otherwise need a second way into the store.

@@ -57,13 +57,19 @@ def client(endpoint: str):
                         aws_access_key_id="test", aws_secret_access_key="test")  # fmt: skip
 
 
-def upload(endpoint: str, local: Path, prefix: str) -> str:
-    """Every file of a directory, the manifest last (readers never see half a dataset)."""
+def ensure_bucket(endpoint: str):
+    """The test bucket, made where it is not there yet; returns the client."""
     s3 = client(endpoint)
     try:
         s3.create_bucket(Bucket=BUCKET)
     except s3.exceptions.BucketAlreadyOwnedByYou:
         pass
+    return s3
+
+
+def upload(endpoint: str, local: Path, prefix: str) -> str:
+    """Every file of a directory, the manifest last (readers never see half a dataset)."""
+    s3 = ensure_bucket(endpoint)
     files = sorted(p for p in local.rglob("*") if p.is_file() and p.name != "manifest.json")
     last = [local / "manifest.json"] if (local / "manifest.json").is_file() else []
     for p in [*files, *last]:

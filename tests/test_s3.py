@@ -20,7 +20,7 @@ from pytrain.data import TokenLoader
 
 boto3 = pytest.importorskip("boto3")
 pytest.importorskip("moto")
-from s3_local import BUCKET, MotoServer, Proxy, client, env, upload  # noqa: E402
+from s3_local import BUCKET, MotoServer, Proxy, client, ensure_bucket, env, upload  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -268,3 +268,43 @@ def test_the_frame_cache_serves_later_reads_stays_bounded_and_refetches_a_bad_co
         proxy.close()
     for got in (first, again, mended, bounded):
         assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_pack_shards_writes_to_s3_and_uploads_a_dataset_manifest_last(s3_server, aws_env, tmp_path):
+    """`pack-shards ... -o s3://...` (packed in a temporary directory, then uploaded) gives
+    the documents of the same pack on local disk; a second pack there is refused in one
+    line; `pack-shards upload` sends a finished dataset, its large shard in parts."""
+    import json
+    import os
+
+    texts = [f"document {i}: " + "some words of text " * (i % 17 + 1) for i in range(300)]
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("\n".join(json.dumps({"text": t}) for t in texts) + "\n")
+    user_env = {**os.environ, **env(s3_server)}
+    ensure_bucket(s3_server)
+    tool = [sys.executable, "-m", "pytrain.pack_shards"]
+    url = f"s3://{BUCKET}/packed"
+    common = [str(corpus), "--tokenizer", "byte", "--no-progress"]
+    r = subprocess.run([*tool, *common, "-o", url], capture_output=True, text=True, env=user_env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.rstrip().endswith(f"-> {url}")
+    local = tmp_path / "local"
+    r = subprocess.run([*tool, *common, "-o", str(local)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    aws_env(s3_server)
+    assert documents(_loader.Dataset(url)) == documents(_loader.Dataset(str(local)))
+    again = subprocess.run([*tool, *common, "-o", url], capture_output=True, text=True,
+                           env=user_env)  # fmt: skip
+    assert again.returncode == 3 and "holds a dataset already" in again.stderr
+    assert len(again.stderr.strip().splitlines()) == 1
+    # A finished dataset with a shard over the 16 MiB part size: a multipart upload.
+    big = tmp_path / "big"
+    _loader.write_synthetic(str(big), 4000, mu=8.0, sigma=0.5, vocab=60000,
+                            docs_per_shard=100_000, seed=1)  # fmt: skip
+    assert max(p.stat().st_size for p in big.glob("*.tks")) > 16 << 20
+    up = subprocess.run([*tool, "upload", str(big), f"s3://{BUCKET}/big"],
+                        capture_output=True, text=True, env=user_env)  # fmt: skip
+    assert up.returncode == 0, up.stderr
+    remote = _loader.Dataset(f"s3://{BUCKET}/big")
+    remote.verify()  # every frame and every whole file against the manifest
+    assert remote.manifest_hash == _loader.Dataset(str(big)).manifest_hash
