@@ -9,7 +9,7 @@ from pytrain.config import LoaderConfig
 __all__ = [
     "FORMAT_VERSION", "LoaderError", "CorruptShardError", "ManifestError", "StateError", "RemoteError",
     "ShardWriter", "Encoder", "Dataset", "Loader", "ReadyBatch", "write_synthetic",
-    "write_manifest", "read_file", "upload_file",
+    "write_manifest", "read_file", "upload_dataset",
 ]  # fmt: skip
 
 FORMAT_VERSION: int
@@ -129,8 +129,9 @@ def read_file(location: str, name: str) -> bytes | None:
     """File `name` of the dataset directory `location` (a local path or an s3:// URL), or
     None where it has none."""
 
-def upload_file(location: str, name: str, path: str) -> None:
-    """Uploads the local file `path` as `name` of the object-storage directory `location`."""
+def upload_dataset(path: str, location: str) -> None:
+    """Uploads the dataset directory `path` to the object-storage directory `location`,
+    the manifest last."""
 
 def write_manifest(path: str, fields: str) -> None:
     """Writes manifest.json (the format's one writer: format, version, totals set there)."""

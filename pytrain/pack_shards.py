@@ -253,10 +253,9 @@ def _refuse_existing(remote: str, overwrite: bool) -> int | None:
 
 def _upload(local: Path, remote: str) -> int:
     from pytrain import _loader
-    from pytrain.data.shards import upload
 
     try:
-        upload(local, remote)
+        _loader.upload_dataset(str(local), remote)
     except (_loader.LoaderError, OSError) as e:
         print(f"pack-shards: error: {e}", file=sys.stderr)
         print(f"pack-shards: {remote}: the manifest was not uploaded; readers see no dataset there",

@@ -655,13 +655,11 @@ fn read_file<'py>(
     Ok(got.map(|b| PyBytes::new(py, &b)))
 }
 
-/// Uploads the local file `path` as `name` of the object-storage directory `location`
-/// (crate::storage::Remote::put_file).
+/// Uploads the dataset directory `path` to the object-storage directory `location`, the
+/// manifest last (crate::storage::upload_dataset).
 #[pyfunction]
-fn upload_file(py: Python<'_>, location: &str, name: &str, path: PathBuf) -> PyResult<()> {
-    run(py, || {
-        crate::storage::Remote::open(location)?.put_file(name, &path)
-    })
+fn upload_dataset(py: Python<'_>, path: PathBuf, location: &str) -> PyResult<()> {
+    run(py, || crate::storage::upload_dataset(&path, location))
 }
 
 /// pack-shards' tokenizer: encodes batches of documents without the GIL and hands the
@@ -719,7 +717,7 @@ fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(write_synthetic, m)?)?;
     m.add_function(wrap_pyfunction!(write_manifest, m)?)?;
     m.add_function(wrap_pyfunction!(read_file, m)?)?;
-    m.add_function(wrap_pyfunction!(upload_file, m)?)?;
+    m.add_function(wrap_pyfunction!(upload_dataset, m)?)?;
     m.add("LoaderError", py.get_type::<LoaderError>())?;
     m.add("CorruptShardError", py.get_type::<CorruptShardError>())?;
     m.add("ManifestError", py.get_type::<ManifestError>())?;

@@ -144,17 +144,24 @@ impl ShardReader {
     /// view of the map, the local cache's copy of a remote frame, or one ranged read of the
     /// remote object.
     pub fn raw_frame(&self, i: usize) -> Result<FrameBytes<'_>> {
-        if let Source::Remote {
-            cache: Some(c),
-            file,
-            ..
-        } = &self.source
-        {
-            if let Some(bytes) = c.get(&format!("{file}.{i}")) {
+        if let Some((cache, key)) = self.cache_slot(i) {
+            if let Some(bytes) = cache.get(&key) {
                 return Ok(FrameBytes::Cached(bytes));
             }
         }
         self.read_frame(i)
+    }
+
+    /// The frame cache of a remote shard, if it has one, and frame `i`'s name in it.
+    fn cache_slot(&self, i: usize) -> Option<(&FrameCache, String)> {
+        match &self.source {
+            Source::Remote {
+                cache: Some(c),
+                file,
+                ..
+            } => Some((c, format!("{file}.{i}"))),
+            _ => None,
+        }
     }
 
     /// Frame `i` from where the shard lives (the map, or the object store), not the cache.
@@ -191,13 +198,8 @@ impl ShardReader {
             // Bytes from elsewhere than this disk's shard are read once more before the
             // frame is called corrupt: a body damaged on the way, or a cached copy gone bad
             // on the local disk (dropped first), is fetched again from the store.
-            if let Source::Remote {
-                cache: Some(c),
-                file,
-                ..
-            } = &self.source
-            {
-                c.forget(&format!("{file}.{i}"));
+            if let Some((cache, key)) = self.cache_slot(i) {
+                cache.forget(&key);
             }
             frame = self.read_frame(i)?;
         }
@@ -209,16 +211,8 @@ impl ShardReader {
                 "frame checksum mismatch",
             ));
         }
-        if let (
-            FrameBytes::Fetched(b),
-            Source::Remote {
-                cache: Some(c),
-                file,
-                ..
-            },
-        ) = (&frame, &self.source)
-        {
-            c.put(&format!("{file}.{i}"), b); // only bytes whose checksum held
+        if let (FrameBytes::Fetched(b), Some((cache, key))) = (&frame, self.cache_slot(i)) {
+            cache.put(&key, b); // only bytes whose checksum held
         }
         let want = f.n_tokens as usize * self.dtype.width();
         // The frame header states its content size: check it before allocating, so a

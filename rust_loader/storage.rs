@@ -134,9 +134,7 @@ impl Remote {
         }
         Ok(got)
     }
-}
 
-impl Remote {
     /// Uploads the local file `path` as object `name` of this directory: one PUT for a
     /// small file, a multipart upload (16 MiB parts, several in flight) for a large one;
     /// either way the object appears whole or not at all.
@@ -173,6 +171,26 @@ impl Remote {
                 .map_err(|e| self.err(name, "finishing its upload", e))
         })
     }
+}
+
+/// Uploads the dataset directory `dir` to the object-storage directory `url`: every file,
+/// the manifest last, so that a reader sees the dataset whole or not at all.
+pub fn upload_dataset(dir: &std::path::Path, url: &str) -> Result<()> {
+    let remote = Remote::open(url)?;
+    let mut names = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
+        let entry = entry.map_err(|e| Error::io(dir, e))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if entry.path().is_file() && name != crate::dataset::MANIFEST {
+            names.push(name);
+        }
+    }
+    names.sort();
+    names.push(crate::dataset::MANIFEST.to_string());
+    for name in names {
+        remote.put_file(&name, &dir.join(&name))?;
+    }
+    Ok(())
 }
 
 /// File `name` of the dataset directory `location` (a local path or an s3:// URL), or None

@@ -40,11 +40,6 @@ def aws_env(monkeypatch):
     return use
 
 
-def FaultProxy(upstream: str, every: int = 3, cut: int = 5, status: int = 503) -> Proxy:
-    """The proxy answering every `every`-th request with `status`, cutting every `cut`-th."""
-    return Proxy(upstream, every=every, cut=cut, status=status)
-
-
 def documents(ds) -> list[tuple[int, ...]]:
     dtype = np.uint16 if ds.dtype == "uint16" else np.uint32
     out = []
@@ -99,7 +94,7 @@ def test_reads_through_503s_and_cut_connections_lose_and_repeat_nothing(
 ):
     train, _ = small_corpus
     url = upload(s3_server, train, "faults")
-    proxy = FaultProxy(s3_server, every=3, cut=7)
+    proxy = Proxy(s3_server, every=3, cut=7)
     try:
         aws_env(proxy.url)
         remote = _loader.Dataset(url)
@@ -168,7 +163,7 @@ def test_a_frame_damaged_on_the_way_is_fetched_again(s3_server, aws_env, small_c
 def test_a_refused_request_is_one_line_without_the_secret(s3_server, aws_env, monkeypatch):
     """A permanent error (403) is not retried for minutes: one line naming the object, and
     nothing of the credentials in it."""
-    proxy = FaultProxy(s3_server, every=1, cut=10**9, status=403)
+    proxy = Proxy(s3_server, every=1, status=403)
     try:
         aws_env(proxy.url)
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-right-secret-1234")

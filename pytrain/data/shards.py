@@ -426,17 +426,6 @@ def _fsync_dir(d: Path) -> None:
         os.close(fd)
 
 
-def upload(local: Path, location: str) -> int:
-    """Uploads a finished dataset directory to object storage (`s3://bucket/prefix`), the
-    manifest last: a reader sees the dataset whole or not at all. Returns the bytes sent."""
-    files = sorted(p for p in local.iterdir() if p.is_file() and p.name != MANIFEST)
-    sent = 0
-    for p in [*files, local / MANIFEST]:
-        _loader.upload_file(location, p.name, str(p))
-        sent += p.stat().st_size
-    return sent
-
-
 def read_manifest(path: Path | str) -> dict:
     """The manifest of the dataset at `path` (a directory, or an s3:// URL)."""
     data = _loader.read_file(str(path), MANIFEST)

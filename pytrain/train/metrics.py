@@ -103,15 +103,11 @@ class CpuClock:
     (gVisor reports 0), the process's time (main thread included) is the bound to read."""
 
     def __init__(self):
-        import time
-
         self.wall, self.process, self.loader = (
             time.perf_counter(), time.process_time(), loader_cpu_seconds()
         )  # fmt: skip
 
     def line(self) -> str:
-        import time
-
         wall = time.perf_counter() - self.wall
         process = time.process_time() - self.process
         loader, now = None, loader_cpu_seconds()
