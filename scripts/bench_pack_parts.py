@@ -113,22 +113,36 @@ def main() -> int:
             parts = tokens(out) / (time.perf_counter() - t0)
         finally:
             ray.shutdown()
-        rows.append((w, w * k, single, parts))
+        # The host's own ceiling: W independent pack-shards processes of k cores at once (as a
+        # Slurm array runs them on one machine), one task each, then the merge. Per-core speed
+        # that falls as more cores work (clock, memory) shows here as in every other column.
+        out = work / f"array-{w}"
+        shutil.rmtree(out, ignore_errors=True)
+        t0 = time.perf_counter()
+        procs = [subprocess.Popen([sys.executable, "-m", "pytrain.pack_shards", str(raw), "-o", str(out),
+                                   "--tokenizer", tok, "--workers", str(k), "--no-progress",
+                                   "--task", str(i), "--tasks", str(w)], stdout=subprocess.DEVNULL)
+                 for i in range(w)]  # fmt: skip
+        if any(p.wait() for p in procs):
+            raise SystemExit(f"a pack-shards task of {w} failed")
+        subprocess.run([sys.executable, "-m", "pytrain.pack_shards", "merge", str(out)], check=True,
+                       capture_output=True)  # fmt: skip
+        array = tokens(out) / (time.perf_counter() - t0)
+        rows.append((w, w * k, single, parts, array))
         print(
-            f"[{w} worker(s)] single {single / 1e6:.2f} M tokens/s, Ray {parts / 1e6:.2f} M tokens/s",
+            f"[{w} worker(s)] single {single / 1e6:.2f} M tokens/s, Ray {parts / 1e6:.2f}, "
+            f"{w} independent processes {array / 1e6:.2f}",
             flush=True,
         )
-    base = rows[0][3] / rows[0][0]
-    print(f"\npack-shards on Ray workers, {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, {mb:.0f} MB of JSONL "
+    base, array_base = rows[0][3] / rows[0][0], rows[0][4] / rows[0][0]
+    print(f"\npack-shards on Ray workers, {time.strftime('%Y-%m-%d')}, {len(os.sched_getaffinity(0))} CPUs (of {os.cpu_count()}), {mb:.0f} MB of JSONL "
           f"in {args.files} files, {k} cores a worker\n")  # fmt: skip
-    print(
-        "| workers | cores | one pack-shards M tok/s | Ray workers M tok/s | Ray / one process | scaling vs 1 worker |"
-    )
-    print("|---|---|---|---|---|---|")
-    for w, cores, single, parts in rows:
-        print(
-            f"| {w} | {cores} | {single / 1e6:.2f} | {parts / 1e6:.2f} | {parts / single:.2f} | {parts / (w * base):.2f} |"
-        )
+    print("| workers | cores | one pack-shards M tok/s | Ray workers M tok/s | independent processes M tok/s "
+          "| Ray / one process | Ray scaling vs 1 worker | independent scaling vs 1 | Ray / independent |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for w, cores, single, parts, array in rows:
+        print(f"| {w} | {cores} | {single / 1e6:.2f} | {parts / 1e6:.2f} | {array / 1e6:.2f} | {parts / single:.2f} "
+              f"| {parts / (w * base):.2f} | {array / (w * array_base):.2f} | {parts / array:.2f} |")  # fmt: skip
     return 0
 
 

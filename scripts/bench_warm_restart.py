@@ -61,6 +61,7 @@ def main() -> int:
             "--compile.cache_dir", str(work / "inductor-cache"), "--out_dir", str(work / "runs"),
             "--samples", "0", "--eval_every", "0", "--eval_batches", "2", "--optim.grad_accum", "2"]  # fmt: skip
     rows = []
+    seen: dict[Path, str] = {}  # each cached tuned config, as the previous start left it
     for start in args.plan.split(","):
         row, name, leg, *extra = start.split(":")  # extra: KEY=VALUE for this start's env
         cmd = [*base, "--name", name, "--max_steps", str(args.steps * int(leg))]
@@ -81,6 +82,7 @@ def main() -> int:
         # Kernels whose coordinate-descent result Inductor has cached (.best_config files).
         best = list((work / "inductor-cache").rglob("*.best_config"))
         coordesc = sum('"found_by_coordesc": true' in b.read_text() for b in best)
+        (work / f"{row}-best-configs.txt").write_text(changed_configs(best, seen))
         rows.append(
             (row, r.returncode, m.group(1) if m else "?", (m.group(2).strip() if m else "") or "-",
              dynamo.group(1) if dynamo else "?", tuning.group(1) if tuning else "0",
@@ -99,6 +101,27 @@ def main() -> int:
     for row in rows:
         print("| " + " | ".join(str(x) for x in row) + " |")
     return 0 if all(r[1] == 0 for r in rows) else 1
+
+
+def changed_configs(best: list[Path], seen: dict[Path, str]) -> str:
+    """The tuned configs this start wrote or rewrote (which kernels tuned again), each with
+    its kernel's name and its content before and after; updates `seen`."""
+    lines = []
+    for b in sorted(best):
+        now = b.read_text()
+        if seen.get(b) != now:
+            # The kernel's source sits in the same directory (with others of its hash prefix).
+            names = sorted(
+                {
+                    n
+                    for k in b.parent.glob("*.py")
+                    for n in re.findall(r"def (triton_\w+)", k.read_text())
+                }
+            )
+            lines.append(f"{b.parent.name}/{b.name} (kernels there: {', '.join(names) or '?'})\n"
+                         f"  before: {seen.get(b, '(none)')}\n  after:  {now}")  # fmt: skip
+            seen[b] = now
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

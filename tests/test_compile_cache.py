@@ -117,3 +117,19 @@ def test_a_graph_with_our_autograd_functions_is_saved_to_the_aot_autograd_cache(
         got[how] = r.stdout
     assert "autograd_cache_bypass" in got["plain"]  # torch's default, the cause of slow warm starts
     assert "autograd_cache_bypass" not in got["warm"] and "autograd_cache_saved" in got["warm"]
+
+
+def test_a_config_keeps_its_coordinate_descent_mark_through_a_compile_worker():
+    """Kernels come back from Inductor's compile workers pickled; Triton's Config drops the
+    `found_by_coordesc` mark on unpickling, and the kernel tunes again at every warm start."""
+    import pickle
+
+    triton = pytest.importorskip("triton")
+    compile_cache.enable_warm_caches()
+    config = triton.Config({"XBLOCK": 64}, num_warps=4)
+    config.found_by_coordesc = True
+    back = pickle.loads(pickle.dumps(config))
+    assert back.found_by_coordesc is True and back.kwargs == {"XBLOCK": 64} and back.num_warps == 4
+    plain = pickle.loads(pickle.dumps(triton.Config({"XBLOCK": 8})))
+    assert not getattr(plain, "found_by_coordesc", False)  # nothing invented
+    assert compile_cache.patch_config_pickle() is False  # never twice

@@ -193,3 +193,22 @@ def test_with_nnodes_1_to_2_the_job_survives_a_node_leaving(small_corpus, tmp_pa
     assert max(step_losses(run)) == 400
     assert checkpoint.read(checkpoint.list_checkpoints(run)[-1])["world_size"] == 1
     del store
+
+
+def test_more_ranks_than_gpus_is_one_line_naming_the_gpus(monkeypatch):
+    """torchrun --nproc_per_node 3 on a 2-GPU host: rank 2 says what to change (seen on
+    2 x H100 as CUDA's "invalid device ordinal" traceback)."""
+    import torch
+
+    from pytrain.config import ConfigError
+    from pytrain.train import distributed
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    info = distributed.DistInfo(rank=2, world_size=3, local_rank=2, launched=True)
+    with pytest.raises(
+        ConfigError, match=r"wants GPU 2, but this host has 2 GPU\(s\).*--nproc_per_node"
+    ):
+        distributed.check_gpu(info, torch.device("cuda:2"))
+    distributed.check_gpu(
+        distributed.DistInfo(rank=1, world_size=2, local_rank=1), torch.device("cuda:1")
+    )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import pickle
 from pathlib import Path
 
 import torch
@@ -34,7 +35,39 @@ def enable_warm_caches() -> list[str]:
         changed.append("AOTAutograd cache for custom autograd functions")
     if patch_coordesc_recheck():
         changed.append("cached coordinate-descent results reused (pytorch#172819 backport)")
+    if patch_config_pickle():
+        changed.append("coordinate-descent marks kept through compile workers")
     return changed
+
+
+def patch_config_pickle() -> bool:
+    """Keeps a Triton config's `found_by_coordesc` when it is pickled; True if patched.
+
+    Inductor marks a config that its autotune cache says coordinate descent found, and a
+    kernel whose config has the mark is not tuned again. Kernels are compiled in worker
+    processes and pickled back to the trainer, and `triton.Config.__setstate__` (Triton 3.6,
+    torch 2.11's) restores its own fields only: the mark is lost, and every such kernel tunes
+    again on its first run at a warm start. Seen on an H100 (BENCHMARKS.md, "Warm restarts"):
+    14 of the GPT-2 preset's 32 tuned kernels tuned again on the first restart (18 s), each
+    with a cached config marked `found_by_coordesc`; compiling in-process (no pickle) had
+    tuned 0-4 s. A Triton that keeps the attribute is left alone (checked by a round trip)."""
+    try:
+        from triton import Config
+    except ImportError:
+        return False
+    probe = Config({"XBLOCK": 1})
+    probe.found_by_coordesc = True
+    if getattr(pickle.loads(pickle.dumps(probe)), "found_by_coordesc", False):
+        return False  # kept already (a fixed Triton, or patched before)
+    restore = Config.__setstate__
+
+    def __setstate__(self, state) -> None:
+        restore(self, state)
+        if "found_by_coordesc" in state:
+            self.found_by_coordesc = state["found_by_coordesc"]
+
+    Config.__setstate__ = __setstate__
+    return True
 
 
 def patch_coordesc_recheck() -> bool:

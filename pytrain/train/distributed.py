@@ -55,6 +55,7 @@ def init(device_pref: str, timeout_s: float = 900.0) -> tuple[DistInfo, torch.de
     else:
         device = torch.device(device_pref)
     if device.type == "cuda":
+        check_gpu(info, device)
         torch.cuda.set_device(device)
     if info.enabled and not dist.is_initialized():
         # Python tracebacks of every thread if this rank dies of a signal (a SIGABRT from a
@@ -75,6 +76,20 @@ def init(device_pref: str, timeout_s: float = 900.0) -> tuple[DistInfo, torch.de
             timeout=timedelta(seconds=timeout_s),
         )
     return info, device
+
+
+def check_gpu(info: DistInfo, device: torch.device) -> None:
+    """One line, not CUDA's "invalid device ordinal" traceback, where torchrun started more
+    ranks on this host than it has GPUs (each rank takes the GPU of its local rank)."""
+    from pytrain.config import ConfigError
+
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise ConfigError(
+            f"rank {info.rank} (local rank {info.local_rank}) wants GPU {device.index}, but this host "
+            f"has {count} GPU(s) visible: start at most {count} rank(s) a node (torchrun "
+            "--nproc_per_node), or train on the CPU with --device cpu"
+        )
 
 
 def _attempt_store(info: DistInfo, timeout_s: float) -> dist.Store:
