@@ -3,7 +3,8 @@ handed to the background writer (ckpt_async), for the GPT-2 124M preset's state 
 AdamW moments; on CUDA the model and optimizer live on the GPU and are snapshotted into
 pinned memory). Then the round trip (save, then load into the model and optimizer) of the
 single-file checkpoint against the sharded one that runs under --fsdp write
-(torch.distributed.checkpoint, FSDP2 on one rank here).
+(torch.distributed.checkpoint, FSDP2 on one rank here), whose writer runs 4 threads (4 files
+a rank, written in parallel), and again with DCP's default of 1.
 
     python scripts/bench_checkpoint.py [--device cuda] [--saves 3]
 """
@@ -100,9 +101,17 @@ def round_trips(
             state = checkpoint.read(path / checkpoint.SHARDED_STATE)
             sharded_checkpoint.load(path, model, opt, state["param_groups"])
 
-        out.append(
-            ("sharded, DCP (--fsdp, 1 rank)", *_best_round_trip(n, device, save_dcp, load_dcp))
-        )
+        threads = sharded_checkpoint.WRITER_THREADS
+        best = _best_round_trip(n, device, save_dcp, load_dcp)
+        out.append((f"sharded, DCP (--fsdp, 1 rank), {threads} writer threads", *best))
+
+        def save_dcp_one_thread(i):  # DCP's default writer, as before: one thread, one file
+            return sharded_checkpoint.save(
+                work / "dcp1", i, model, opt, {"step": i}, True, dist.barrier, threads=1
+            )
+
+        best = _best_round_trip(n, device, save_dcp_one_thread, load_dcp)
+        out.append(("sharded, DCP, 1 writer thread (before)", *best))
         writer = sharded_checkpoint.ShardedWriter()
         held, done = [], []
         for i in range(n):

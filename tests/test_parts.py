@@ -158,7 +158,7 @@ def test_ray_tasks_on_a_local_cluster_pack_the_parts(corpus, bpe_tokenizer_file,
     out = tmp_path / "ds"
     opts = PackOptions(tokenizer=str(bpe_tokenizer_file), shard_mib=0.05, frame_mib=0.01)
 
-    @ray.remote
+    @ray.remote(num_cpus=1, runtime_env={"env_vars": {"RAYON_NUM_THREADS": "1"}})  # as README
     def task(i: int, n: int) -> int:
         report = pack_part([str(corpus)], out, i, n, opts, ReadOptions(), BadInputs())
         return report.documents if report else 0

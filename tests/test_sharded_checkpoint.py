@@ -17,7 +17,7 @@ import pytest
 import torch
 from test_run_safety import ENV, _Planted, one_line_error, step_losses, train_cmd
 
-from pytrain.train import checkpoint
+from pytrain.train import checkpoint, sharded_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,9 +47,9 @@ def test_fsdp2_checkpoints_are_sharded_and_reshard_from_2_to_1_to_2_ranks(small_
     ckpts = checkpoint.list_checkpoints(run)
     assert [c.name for c in ckpts] == ["ckpt-00000002", "ckpt-00000004"]  # directories
     files = sorted(p.name for p in ckpts[-1].iterdir())
-    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "state.pt"], (
-        files
-    )  # a shard a rank
+    threads = sharded_checkpoint.WRITER_THREADS  # DCP's writer threads: a file each, per rank
+    shards = [f"__{rank}_{i}.distcp" for rank in (0, 1) for i in range(threads)]
+    assert files == [".metadata", *shards, "state.pt"], files
     # Written in the background by default (DCP's async_save), as single-file checkpoints are.
     assert "(sharded, written in the background;" in (run / "train.log").read_text()
     before = step_losses(run)
