@@ -59,7 +59,9 @@ def patch_config_pickle() -> bool:
     probe.found_by_coordesc = True
     if getattr(pickle.loads(pickle.dumps(probe)), "found_by_coordesc", False):
         return False  # kept already (a fixed Triton, or patched before)
-    restore = Config.__setstate__
+    restore = getattr(Config, "__setstate__", None)
+    if restore is None:  # dropped some other way: not the bug this mends
+        return False
 
     def __setstate__(self, state) -> None:
         restore(self, state)

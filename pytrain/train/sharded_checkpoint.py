@@ -36,9 +36,9 @@ from pytrain.train import checkpoint, disk
 STATE = checkpoint.SHARDED_STATE
 WRITER_THREADS = 4
 """DCP's writer threads, each writing a file of every rank's shards (`__<rank>_<i>.distcp`).
-The GPT-2 preset's 1.64 GB of state saved in 2.48 s with 4 against 4.68 s with 1 (CPU box,
-`python scripts/bench_checkpoint.py --device cpu --saves 1`); serializing each tensor and
-writing it, one after another, was the time."""
+The GPT-2 preset's 1.64 GB of state saved in 1.91 s with 4 against 4.37 s with 1 (CPU box,
+`python scripts/bench_checkpoint.py --device cpu --saves 2`; BENCHMARKS.md); serializing
+each tensor and writing it, one after another, was the time."""
 
 
 class _MetadataUnpickler(pickle.Unpickler):
