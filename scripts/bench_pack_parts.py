@@ -3,11 +3,14 @@ cores) packing parts and merging them, against one `pack-shards` process given t
 in total, on real text (Python sources of this machine's site-packages as JSONL files) with
 the embedded default's tokenizer.json (a byte-level BPE trained by `tokenizers`).
 
-    PYTHONPATH=$PWD python scripts/bench_pack_parts.py [--workers 1,2,4,8] [--cores-per-worker 2] [--mb 400]
+    PYTHONPATH=$PWD python scripts/bench_pack_parts.py [--workers 1,2,4,8] [--cores-per-worker 2] [--mb 400] [--cpus 0-15]
 
 Each Ray worker is a task with --cores-per-worker CPUs (and as many tokenizer threads);
-there are 4 tasks per worker so that an early finisher takes another part. Wall time
-includes the merge. Scaling is tokens/s over W x the one-worker figure (goal >= 0.9 up to 8
+there are 4 tasks per worker so that an early finisher takes another part. Beside them, W
+independent `pack-shards --task I --tasks W` processes (as a Slurm array runs them). A row
+of W workers confines every process of each column to the same first W x k of the CPUs
+(--cpus; on a VM whose CPUs may be hyperthreads, pick one CPU a core if the host's layout
+is known). Wall time includes the merge. Scaling is tokens/s over W x the one-worker figure (goal >= 0.9 up to 8
 workers). A table is printed last."""
 
 from __future__ import annotations
@@ -58,6 +61,20 @@ def tokens(dataset: Path) -> int:
     return json.loads((dataset / "manifest.json").read_text())["totals"]["tokens"]
 
 
+def cpu_list(spec: str) -> list[int]:
+    """CPUs as taskset lists them: "0-7,16-23" -> [0, ..., 7, 16, ..., 23]."""
+    out: list[int] = []
+    for part in spec.split(","):
+        first, _, last = part.partition("-")
+        out += range(int(first), int(last or first) + 1)
+    return out
+
+
+def pinned(cpus: list[int]):
+    """A preexec_fn that confines the child process to `cpus`."""
+    return lambda: os.sched_setaffinity(0, cpus)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -67,6 +84,8 @@ def main() -> int:
     p.add_argument("--mb", type=float, default=400.0)
     p.add_argument("--files", type=int, default=64)
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "pytrain-bench-parts")
+    p.add_argument("--cpus", default=None,
+                   help="the CPUs to use, as taskset lists them (e.g. 0-15 or 0,2,4); default: all this process may use")  # fmt: skip
     args = p.parse_args()
     import ray
 
@@ -79,18 +98,27 @@ def main() -> int:
     raw = corpus(work, args.mb, args.files)
     mb = sum(f.stat().st_size for f in raw.iterdir()) / 1e6
     k = args.cores_per_worker
+    everyone = sorted(os.sched_getaffinity(0))
+    cpus = cpu_list(args.cpus) if args.cpus else everyone
     rows = []
     for w in (int(x) for x in args.workers.split(",")):
+        if w * k > len(cpus):
+            raise SystemExit(f"{w} workers of {k} CPUs need {w * k} CPUs; --cpus gives {len(cpus)}")
+        # Every column of this row gets exactly the same W x k CPUs (each process confined to
+        # them: pack-shards' reader thread and compression come out of the same CPUs).
+        mine = cpus[: w * k]
         # One process with the same cores.
         out = work / f"single-{w}"
         shutil.rmtree(out, ignore_errors=True)
         t0 = time.perf_counter()
         subprocess.run([sys.executable, "-m", "pytrain.pack_shards", str(raw), "-o", str(out), "--tokenizer", tok,
-                        "--workers", str(w * k), "--no-progress"], check=True, capture_output=True)  # fmt: skip
+                        "--workers", str(w * k), "--no-progress"], check=True, capture_output=True,
+                       preexec_fn=pinned(mine))  # fmt: skip
         single = tokens(out) / (time.perf_counter() - t0)
         # W Ray workers of k cores, 4 tasks each, then the merge.
         out = work / f"ray-{w}"
         shutil.rmtree(out, ignore_errors=True)
+        os.sched_setaffinity(0, mine)  # Ray's processes, started from here, inherit it
         ray.init(num_cpus=w * k, include_dashboard=False)
         try:
             n = 4 * w
@@ -113,6 +141,7 @@ def main() -> int:
             parts = tokens(out) / (time.perf_counter() - t0)
         finally:
             ray.shutdown()
+            os.sched_setaffinity(0, everyone)
         # The host's own ceiling: W independent pack-shards processes of k cores at once (as a
         # Slurm array runs them on one machine), one task each, then the merge. Per-core speed
         # that falls as more cores work (clock, memory) shows here as in every other column.
@@ -121,7 +150,8 @@ def main() -> int:
         t0 = time.perf_counter()
         procs = [subprocess.Popen([sys.executable, "-m", "pytrain.pack_shards", str(raw), "-o", str(out),
                                    "--tokenizer", tok, "--workers", str(k), "--no-progress",
-                                   "--task", str(i), "--tasks", str(w)], stdout=subprocess.DEVNULL)
+                                   "--task", str(i), "--tasks", str(w)], stdout=subprocess.DEVNULL,
+                                  preexec_fn=pinned(mine[i * k : (i + 1) * k]))
                  for i in range(w)]  # fmt: skip
         if any(p.wait() for p in procs):
             raise SystemExit(f"a pack-shards task of {w} failed")
@@ -135,7 +165,7 @@ def main() -> int:
             flush=True,
         )
     base, array_base = rows[0][3] / rows[0][0], rows[0][4] / rows[0][0]
-    print(f"\npack-shards on Ray workers, {time.strftime('%Y-%m-%d')}, {len(os.sched_getaffinity(0))} CPUs (of {os.cpu_count()}), {mb:.0f} MB of JSONL "
+    print(f"\npack-shards on Ray workers, {time.strftime('%Y-%m-%d')}, CPUs {','.join(map(str, cpus[: rows[-1][1]]))} (of {os.cpu_count()}), {mb:.0f} MB of JSONL "
           f"in {args.files} files, {k} cores a worker\n")  # fmt: skip
     print("| workers | cores | one pack-shards M tok/s | Ray workers M tok/s | independent processes M tok/s "
           "| Ray / one process | Ray scaling vs 1 worker | independent scaling vs 1 | Ray / independent |")  # fmt: skip
