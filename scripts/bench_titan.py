@@ -51,6 +51,9 @@ SHAPE = {
 
 def titan_worker(argv: list[str]) -> None:
     """Inside torchrun: registers the 1B flavor, then torchtitan's own entry point."""
+    # torchtitan 0.2.2 reads its arguments through a default argument, `sys.argv[1:]` as it
+    # was when its config module was imported: set before any torchtitan import.
+    sys.argv = [sys.argv[0], *argv]
     from torchtitan.models import llama3
     from torchtitan.models.llama3.model.args import RoPEScalingArgs, TransformerModelArgs
     from torchtitan.train import Trainer, main
@@ -59,7 +62,6 @@ def titan_worker(argv: list[str]) -> None:
         dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5,
         multiple_of=1024, rope_theta=500000, rope_scaling_args=RoPEScalingArgs(scaling_factor=32.0),
     )  # fmt: skip
-    sys.argv = [sys.argv[0], *argv]
     main(Trainer)
 
 
