@@ -1,7 +1,7 @@
 """Llama-3.2-1B's shape on one GPU, side by side with torchtitan, in one command.
 
-    PYTHONPATH=$PWD python scripts/bench_titan.py --titan-site DIR --tokenizer tokenizer.json \
-        --text corpus.jsonl [--seq 2048,4096] [--steps 40]
+    PYTHONPATH=$PWD python scripts/bench_titan.py --titan-site DIR [--tokenizer tokenizer.json] \
+        [--text corpus.jsonl] [--seq 2048,4096] [--steps 40]
 
 DIR holds torchtitan and its dependencies as pinned in scripts/bench_titan.requirements.txt
 (`pip install --no-deps --target DIR` of those wheels; the GPU hosts have no network).
@@ -132,6 +132,28 @@ def run_ours(work: Path, seq: int, accum: int, steps: int, extra: list[str]) -> 
             "peak_gib": float(peak.group(1)) if peak else float("nan")}  # fmt: skip
 
 
+def default_tokenizer() -> Path:
+    from pytrain.data.corpus import build_default
+
+    return build_default()[0].parent / "tokenizer.json"
+
+
+def write_stdlib_jsonl(path: Path, chars: float = 30e6) -> None:
+    """Python's standard library, a document a module, as torchtitan's JSONL text (about
+    `chars` characters: ~10M tokens, more than a run of --steps reads; its loader loops)."""
+    import json
+    import sysconfig
+
+    total = 0
+    with open(path, "w") as f:
+        for p in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+            text = p.read_text(encoding="utf-8", errors="replace")
+            f.write(json.dumps({"text": text}) + "\n")
+            total += len(text)
+            if total >= chars:
+                break
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--titan-run":
         titan_worker(sys.argv[2:])
@@ -148,22 +170,22 @@ def main() -> int:
     )
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "pytrain-titan")
-    p.add_argument(
-        "--tokenizer",
-        type=Path,
-        required=True,
-        help="a tokenizer.json for torchtitan's text loader",
-    )
-    p.add_argument(
-        "--text", type=Path, required=True, help="a JSONL file of {'text': ...} for torchtitan"
-    )
+    p.add_argument("--tokenizer", type=Path, default=None,
+                   help="a tokenizer.json for torchtitan's text loader (default: the embedded default's BPE)")  # fmt: skip
+    p.add_argument("--text", type=Path, default=None,
+                   help="a JSONL file of {'text': ...} for torchtitan (default: Python's standard library)")  # fmt: skip
     args = p.parse_args()
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
     (work / "titan-tokenizer").mkdir(exist_ok=True)
-    (work / "titan-tokenizer" / "tokenizer.json").write_bytes(args.tokenizer.read_bytes())
+    tokenizer = args.tokenizer or default_tokenizer()
+    (work / "titan-tokenizer" / "tokenizer.json").write_bytes(tokenizer.read_bytes())
     (work / "titan-corpus").mkdir(exist_ok=True)
-    (work / "titan-corpus" / "train.json").write_bytes(args.text.read_bytes())
+    corpus = work / "titan-corpus" / "train.json"
+    if args.text:
+        corpus.write_bytes(args.text.read_bytes())
+    else:
+        write_stdlib_jsonl(corpus)
     import torch
 
     rows = []
