@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pytrain.config import location
+from pytrain.config import REMOTE_SCHEMES, location
 from pytrain.data.inputs import BAD_INPUT_POLICIES
 
 EXIT_INPUT, EXIT_USAGE, EXIT_EXISTS, EXIT_CORRUPT = 1, 2, 3, 4
@@ -275,7 +275,7 @@ def upload_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if not (args.dataset / "manifest.json").is_file():
         p.error(f"{args.dataset}: not a dataset made by pack-shards (no manifest.json in it)")
-    if not args.url.startswith(("s3://", "s3a://")):
+    if not args.url.startswith(REMOTE_SCHEMES):
         p.error(f"{args.url}: not an s3:// URL")
     if (code := _refuse_existing(args.url, args.overwrite)) is not None:
         return code

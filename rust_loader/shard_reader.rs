@@ -140,18 +140,6 @@ impl ShardReader {
         read_u32(self.index(), self.doc_lengths_at + 4 * doc as usize)
     }
 
-    /// The compressed bytes of frame `i`, exactly as stored (an ordinary zstd frame): a
-    /// view of the map, the local cache's copy of a remote frame, or one ranged read of the
-    /// remote object.
-    pub fn raw_frame(&self, i: usize) -> Result<FrameBytes<'_>> {
-        if let Some((cache, key)) = self.cache_slot(i) {
-            if let Some(bytes) = cache.get(&key) {
-                return Ok(FrameBytes::Cached(bytes));
-            }
-        }
-        self.read_frame(i)
-    }
-
     /// The frame cache of a remote shard, if it has one, and frame `i`'s name in it.
     fn cache_slot(&self, i: usize) -> Option<(&FrameCache, String)> {
         match &self.source {
@@ -164,7 +152,8 @@ impl ShardReader {
         }
     }
 
-    /// Frame `i` from where the shard lives (the map, or the object store), not the cache.
+    /// The compressed bytes of frame `i`, exactly as stored (an ordinary zstd frame), from
+    /// where the shard lives: a view of the map, or one ranged read of the remote object.
     fn read_frame(&self, i: usize) -> Result<FrameBytes<'_>> {
         let f = &self.frames[i];
         let (start, end) = (f.offset, f.offset + f.compressed_len);
@@ -193,13 +182,20 @@ impl ShardReader {
                 format!("shard has only {} frames", self.frames.len()),
             )
         })?;
-        let mut frame = self.raw_frame(i)?;
+        // A remote frame comes from the local cache where it holds it (frames are named
+        // once per read here).
+        let slot = self.cache_slot(i);
+        let cached = slot.as_ref().and_then(|(cache, key)| cache.get(key));
+        let mut frame = match cached {
+            Some(bytes) => FrameBytes::Cached(bytes),
+            None => self.read_frame(i)?,
+        };
         if !matches!(frame, FrameBytes::Mapped(_)) && checksum(&frame) != f.checksum {
             // Bytes from elsewhere than this disk's shard are read once more before the
             // frame is called corrupt: a body damaged on the way, or a cached copy gone bad
             // on the local disk (dropped first), is fetched again from the store.
-            if let Some((cache, key)) = self.cache_slot(i) {
-                cache.forget(&key);
+            if let Some((cache, key)) = &slot {
+                cache.forget(key);
             }
             frame = self.read_frame(i)?;
         }
@@ -211,8 +207,8 @@ impl ShardReader {
                 "frame checksum mismatch",
             ));
         }
-        if let (FrameBytes::Fetched(b), Some((cache, key))) = (&frame, self.cache_slot(i)) {
-            cache.put(&key, b); // only bytes whose checksum held
+        if let (FrameBytes::Fetched(b), Some((cache, key))) = (&frame, &slot) {
+            cache.put(key, b); // only bytes whose checksum held
         }
         let want = f.n_tokens as usize * self.dtype.width();
         // The frame header states its content size: check it before allocating, so a

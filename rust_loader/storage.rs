@@ -218,8 +218,55 @@ pub fn read_file(location: &str, name: &str) -> Result<Option<Vec<u8>>> {
 pub struct FrameCache {
     dir: std::path::PathBuf,
     limit: u64,
-    /// (file name, bytes), least recently used first; and their total.
-    state: std::sync::Mutex<(std::collections::VecDeque<(String, u64)>, u64)>,
+    state: std::sync::Mutex<Recency>,
+}
+
+/// Which frames the cache holds and in what order they were last used: a lookup by name
+/// and the oldest first, each in O(log n) (a read of every frame of a remote dataset
+/// touches it, under the lock).
+#[derive(Default)]
+struct Recency {
+    /// Frame name -> (its turn in `order`, bytes).
+    by_name: std::collections::HashMap<String, (u64, u64)>,
+    /// Turn -> frame name; the smallest turn is the least recently used.
+    order: std::collections::BTreeMap<u64, String>,
+    /// Bytes of the frames held.
+    used: u64,
+    turn: u64,
+}
+
+impl Recency {
+    /// Frame `name`, now the most recently used (`len` bytes).
+    fn touch(&mut self, name: &str, len: u64) {
+        self.remove(name);
+        self.turn += 1;
+        self.order.insert(self.turn, name.to_string());
+        self.by_name.insert(name.to_string(), (self.turn, len));
+        self.used += len;
+    }
+
+    /// Drops frame `name` from the books; its bytes, if it was there.
+    fn remove(&mut self, name: &str) -> Option<u64> {
+        let (turn, len) = self.by_name.remove(name)?;
+        self.order.remove(&turn);
+        self.used -= len;
+        Some(len)
+    }
+
+    /// The least recently used frames to drop until at most `limit` bytes are held.
+    fn over(&mut self, limit: u64) -> Vec<String> {
+        let mut out = Vec::new();
+        while self.used > limit {
+            let Some((_, name)) = self.order.pop_first() else {
+                break;
+            };
+            if let Some((_, len)) = self.by_name.remove(&name) {
+                self.used -= len;
+            }
+            out.push(name);
+        }
+        out
+    }
 }
 
 impl FrameCache {
@@ -237,22 +284,23 @@ impl FrameCache {
                 let _ = std::fs::remove_file(entry.path()); // a write that died midway
                 continue;
             }
-            let mtime = meta.modified().ok();
-            found.push((mtime, name, meta.len()));
+            found.push((meta.modified().ok(), name, meta.len()));
         }
         found.sort();
-        let used = found.iter().map(|f| f.2).sum();
-        let order = found.into_iter().map(|(_, n, len)| (n, len)).collect();
+        let mut books = Recency::default();
+        for (_, name, len) in found {
+            books.touch(&name, len);
+        }
         let cache = Arc::new(FrameCache {
             dir,
             limit,
-            state: std::sync::Mutex::new((order, used)),
+            state: std::sync::Mutex::new(books),
         });
         cache.evict();
         Ok(cache)
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, (std::collections::VecDeque<(String, u64)>, u64)> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Recency> {
         // A panic while holding the lock leaves only this bookkeeping behind: still usable.
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -260,11 +308,7 @@ impl FrameCache {
     /// Frame `name`'s bytes, if cached (it becomes the most recently used).
     pub fn get(&self, name: &str) -> Option<Vec<u8>> {
         let bytes = std::fs::read(self.dir.join(name)).ok()?;
-        let mut s = self.lock();
-        if let Some(at) = s.0.iter().position(|(n, _)| n == name) {
-            let entry = s.0.remove(at).expect("position is in range");
-            s.0.push_back(entry);
-        }
+        self.lock().touch(name, bytes.len() as u64);
         Some(bytes)
     }
 
@@ -288,36 +332,22 @@ impl FrameCache {
             let _ = std::fs::remove_file(&tmp);
             return;
         }
-        {
-            let mut s = self.lock();
-            if let Some(at) = s.0.iter().position(|(n, _)| n == name) {
-                let (_, old) = s.0.remove(at).expect("position is in range");
-                s.1 -= old;
-            }
-            s.0.push_back((name.to_string(), len));
-            s.1 += len;
-        }
+        self.lock().touch(name, len);
         self.evict();
     }
 
     /// Drops frame `name` (its bytes failed their checksum).
     pub fn forget(&self, name: &str) {
         let _ = std::fs::remove_file(self.dir.join(name));
-        let mut s = self.lock();
-        if let Some(at) = s.0.iter().position(|(n, _)| n == name) {
-            let (_, len) = s.0.remove(at).expect("position is in range");
-            s.1 -= len;
-        }
+        self.lock().remove(name);
     }
 
+    /// Deletes the least recently used frames down to the bound (the files outside the
+    /// lock: other readers go on meanwhile).
     fn evict(&self) {
-        let mut s = self.lock();
-        while s.1 > self.limit {
-            let Some((name, len)) = s.0.pop_front() else {
-                break;
-            };
+        let gone = self.lock().over(self.limit);
+        for name in gone {
             let _ = std::fs::remove_file(self.dir.join(&name));
-            s.1 -= len;
         }
     }
 }

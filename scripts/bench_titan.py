@@ -138,20 +138,16 @@ def default_tokenizer() -> Path:
     return build_default()[0].parent / "tokenizer.json"
 
 
-def write_stdlib_jsonl(path: Path, chars: float = 30e6) -> None:
-    """Python's standard library, a document a module, as torchtitan's JSONL text (about
-    `chars` characters: ~10M tokens, more than a run of --steps reads; its loader loops)."""
+def write_text_jsonl(path: Path, mb: int = 30) -> None:
+    """Python sources of this machine (scripts/realtext.py), about `mb` MB, as torchtitan's
+    JSONL text (~10M tokens: more than a run of --steps reads; its loader loops)."""
     import json
-    import sysconfig
 
-    total = 0
+    from realtext import python_sources
+
     with open(path, "w") as f:
-        for p in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
-            text = p.read_text(encoding="utf-8", errors="replace")
+        for _, text in python_sources(mb << 20):
             f.write(json.dumps({"text": text}) + "\n")
-            total += len(text)
-            if total >= chars:
-                break
 
 
 def main() -> int:
@@ -173,7 +169,7 @@ def main() -> int:
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="a tokenizer.json for torchtitan's text loader (default: the embedded default's BPE)")  # fmt: skip
     p.add_argument("--text", type=Path, default=None,
-                   help="a JSONL file of {'text': ...} for torchtitan (default: Python's standard library)")  # fmt: skip
+                   help="a JSONL file of {'text': ...} for torchtitan (default: this machine's Python sources)")  # fmt: skip
     args = p.parse_args()
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
@@ -185,7 +181,7 @@ def main() -> int:
     if args.text:
         corpus.write_bytes(args.text.read_bytes())
     else:
-        write_stdlib_jsonl(corpus)
+        write_text_jsonl(corpus)
     import torch
 
     rows = []

@@ -24,11 +24,8 @@ t._forward_backward(batches, denom)
 names = {id(p): n for n, p in t.gpt.named_parameters()}
 if t.plan.kind == "replicas":  # the fp32 sums in the optimizer, averaged over the ranks
     t.opt_step.masters.all_reduce_grads(t.dist.world_size)
-    flat = t.optimizer.flat_grad
-    grads = {
-        names[id(p)]: flat[o : o + n].view_as(p).clone()
-        for p, (o, n) in zip(t.optimizer.params, t.optimizer._views, strict=True)
-    }
+    sums = t.optimizer.per_param(t.optimizer.flat_grad)
+    grads = {names[i]: g.clone() for i, g in sums.items()}
 else:  # FSDP2 keeps sharded gradients (DTensors); gather them whole to compare.
     grads = {
         names[id(p)]: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad

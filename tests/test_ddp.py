@@ -60,11 +60,7 @@ def test_two_process_gloo_matches_single_process(small_corpus, tmp_path, wrapper
     single.optimizer.zero_grad()
     single._forward_backward(union, ranks[0]["denom"])
     if wrapper == "replicas":  # the 4 micro-batches' sums in fp32, in the optimizer
-        o = single.optimizer
-        want = {
-            id(p): o.flat_grad[a : a + n].view_as(p)
-            for p, (a, n) in zip(o.params, o._views, strict=True)
-        }
+        want = single.optimizer.per_param(single.optimizer.flat_grad)
     else:
         want = {id(p): p.grad for p in single.gpt.parameters()}
     for name, p in single.gpt.named_parameters():

@@ -65,17 +65,19 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> Loaded:
     else:
         gpt.load_state_dict(strip_prefixes(state["model"]))
     data = dataset_of(state["config"]["data"])
-    tok, eos = None, None
-    if isinstance(data, Path):
-        tok = data / "tokenizer.json" if (data / "tokenizer.json").is_file() else None
-    if data is not None:
-        from pytrain import _loader
+    eos = None
+    if data is not None:  # its manifest only: a remote dataset is not opened shard by shard
+        from pytrain.data.shards import read_manifest
 
-        eos = _loader.Dataset(str(data)).eos_id
-    # The copy the trainer keeps in the run directory: there even where the dataset is in
-    # object storage or gone.
-    if (p.parent / "tokenizer.json").is_file():  # p: the checkpoint (a file or a directory)
-        tok = p.parent / "tokenizer.json"
+        eos = read_manifest(data).get("tokenizer", {}).get("eos_id")
+    # The copy the trainer keeps in the run directory (p: the checkpoint, a file or a
+    # directory), there even where the dataset is in object storage or gone; else, for a
+    # run from before that copy, the local dataset's own.
+    kept = [
+        p.parent / "tokenizer.json",
+        *([data / "tokenizer.json"] if isinstance(data, Path) else []),
+    ]
+    tok = next((t for t in kept if t.is_file()), None)
     return Loaded(gpt.to(device).eval(), state["config"], tok, eos, state.get("step"), p)
 
 

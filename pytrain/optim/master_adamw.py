@@ -192,12 +192,17 @@ class MasterAdamW:
         for g, saved in zip(self.param_groups, state["param_groups"], strict=True):
             g.update({k: v for k, v in saved.items() if k != "params"})
 
-    def master_state(self, model: nn.Module) -> dict:
-        """The model's state dict with each parameter's fp32 master in its place."""
-        masters = {
-            id(p): self.master[o : o + n].view_as(p)
+    def per_param(self, flat: torch.Tensor) -> dict[int, torch.Tensor]:
+        """`flat` (the masters, or the fp32 gradient sums `flat_grad`) as a view per
+        parameter, by the parameter's id."""
+        return {
+            id(p): flat[o : o + n].view_as(p)
             for p, (o, n) in zip(self.params, self._views, strict=True)
         }
+
+    def master_state(self, model: nn.Module) -> dict:
+        """The model's state dict with each parameter's fp32 master in its place."""
+        masters = self.per_param(self.master)
         named = dict(model.named_parameters(remove_duplicate=False))
         return {
             k: masters[id(named[k])] if k in named else v for k, v in model.state_dict().items()

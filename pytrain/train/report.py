@@ -35,9 +35,8 @@ def prompts(path, n: int, tokens: int = PROMPT_TOKENS) -> list[list[int]]:
 def samples(trainer, n: int, tokens: int) -> list[str]:
     from tokenizers import Tokenizer
 
-    path = trainer.run_dir / "tokenizer.json"  # the dataset's, copied at start
-    if not path.exists() and not isinstance(trainer.train_path, str):
-        path = trainer.train_path / "tokenizer.json"
+    # The dataset's tokenizer, copied into the run directory at start (sources.keep_tokenizer).
+    path = trainer.run_dir / "tokenizer.json"
     if n <= 0 or not path.exists():
         return []
     if trainer.sharded:
