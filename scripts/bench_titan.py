@@ -16,10 +16,12 @@ embeddings, so its model has 262M parameters more than ours (configs/llama-1b.to
 as Llama-3.2-1B does). Ours trains on synthetic ids at the same vocabulary (128256) through
 the real loader: tokens/s do not depend on the text.
 
-Rows, each pair at the same sequence length and tokens per optimizer step (8 rows x
-`--accum` micro-batches): bf16 compiled for both (torchtitan: FSDP2 on one GPU, its default,
-activation checkpointing off), then each one's best (ours: the preset as shipped; torchtitan:
-float8 tensorwise linear layers). MFU with one formula for both: 6N + 12 L H d T per token
+Runs, all at the same sequence length and tokens per optimizer step (`--rows` x
+`--accum` micro-batches), compiled, activation checkpointing off: ours in bf16 (`--model.float8_head
+off`), as shipped (the FP8 output layer), and with `--model.float8 tensorwise` (torchao);
+torchtitan (FSDP2 on one GPU, its default) in bf16 and with its float8 converter (tensorwise,
+every linear layer, the output one included). Compared: bf16 with bf16, and each side's
+fastest run with the other's. MFU with one formula for both: 6N + 12 L H d T per token
 (N: the blocks and the output layer, the embedding lookup costing nothing; attention
 included), against 989 TFLOP/s (H100 dense bf16). Peak
 memory: torch.cuda.max_memory_reserved for both (torchtitan logs it as "memory"). Medians
@@ -81,13 +83,15 @@ def steady(values: list[tuple[int, float]], steps: int) -> float:
     return statistics.median(v for s, v in values if s > steps // 3)
 
 
-def run_titan(work: Path, site: Path, seq: int, accum: int, steps: int, float8: bool) -> dict:
+def run_titan(
+    work: Path, site: Path, seq: int, rows: int, accum: int, steps: int, float8: bool
+) -> dict:
     corpus, tok = work / "titan-corpus", work / "titan-tokenizer"  # written by main()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
            str(Path(__file__).resolve()), "--titan-run",
            "--model.name", "llama3", "--model.flavor", "1B", "--model.hf_assets_path", str(tok),
            "--training.dataset", "c4_test", "--training.dataset_path", str(corpus),
-           "--training.local_batch_size", "8", "--training.global_batch_size", str(8 * accum),
+           "--training.local_batch_size", str(rows), "--training.global_batch_size", str(rows * accum),
            "--training.seq_len", str(seq), "--training.steps", str(steps), "--metrics.log_freq", "1",
            "--compile.enable", "--activation_checkpoint.mode", "none",
            "--job.dump_folder", str(work / "titan-out")]  # fmt: skip
@@ -102,33 +106,36 @@ def run_titan(work: Path, site: Path, seq: int, accum: int, steps: int, float8: 
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     log = re.sub(r"\x1b\[[0-9;]*m", "", r.stdout + r.stderr)
     (work / f"titan-{seq}-{'fp8' if float8 else 'bf16'}.log").write_text(log)
-    rows = [(int(s), float(t.replace(",", "")), float(m))
+    logged = [(int(s), float(t.replace(",", "")), float(m))
             for s, m, t in re.findall(r"step:\s*(\d+).*?memory:\s*([\d.]+)GiB.*?tps: ([\d,]+)", log)]  # fmt: skip
-    if r.returncode or not rows:
+    if r.returncode or not logged:
         return {"error": (log.strip().splitlines() or ["?"])[-1][:200]}
-    return {"tokens_per_s": steady([(s, t) for s, t, _ in rows], steps),
-            "peak_gib": max(m for *_, m in rows)}  # fmt: skip
+    return {"tokens_per_s": steady([(s, t) for s, t, _ in logged], steps),
+            "peak_gib": max(m for *_, m in logged)}  # fmt: skip
 
 
-def run_ours(work: Path, seq: int, accum: int, steps: int, extra: list[str]) -> dict:
+def run_ours(
+    work: Path, seq: int, rows: int, accum: int, steps: int, label: str, extra: list[str]
+) -> dict:
     from pytrain import _loader
 
     data = work / "syn128k"
     if not (data / "manifest.json").exists():
         _loader.write_synthetic(str(data), 20000, mu=7.0, sigma=1.0, vocab=SHAPE["vocab"], seed=0)
-    name = f"ours-{seq}-{len(extra)}"
+    name = f"ours-{seq}-{label}"
     cmd = [sys.executable, "-m", "pytrain.train", "--no-progress", "--config", "configs/llama-1b.toml",
-           "--data.path", str(data), "--data.seq_len", str(seq), "--optim.grad_accum", str(accum),
+           "--data.path", str(data), "--data.seq_len", str(seq), "--data.batch_size", str(rows),
+           "--optim.grad_accum", str(accum),
            "--max_steps", str(steps), "--eval_every", "0", "--samples", "0", "--log_every", "1",
            "--ckpt_every", "0", "--out_dir", str(work / "runs"), "--name", name, *extra]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     (work / f"{name}.log").write_text(r.stdout + r.stderr)
     log = work / "runs" / name / "train.log"
-    rows = re.findall(r"step (\d+) loss .* tok/s ([\d,]+)", log.read_text()) if log.exists() else []
+    logged = re.findall(r"step (\d+) loss .* tok/s ([\d,]+)", log.read_text()) if log.exists() else []
     peak = re.search(r"\(([\d.]+) GiB reserved\)", r.stdout)
-    if r.returncode or not rows:
+    if r.returncode or not logged:
         return {"error": (r.stderr.strip().splitlines() or ["?"])[-1][:200]}
-    return {"tokens_per_s": steady([(int(s), float(t.replace(",", ""))) for s, t in rows], steps),
+    return {"tokens_per_s": steady([(int(s), float(t.replace(",", ""))) for s, t in logged], steps),
             "peak_gib": float(peak.group(1)) if peak else float("nan")}  # fmt: skip
 
 
@@ -161,9 +168,8 @@ def main() -> int:
         "--titan-site", type=Path, required=True, help="torchtitan 0.2.2 and its dependencies"
     )
     p.add_argument("--seq", default="2048")
-    p.add_argument(
-        "--accum", type=int, default=4, help="micro-batches of 8 rows per optimizer step"
-    )
+    p.add_argument("--rows", type=int, default=8, help="rows per micro-batch (4 fit at 4096)")
+    p.add_argument("--accum", type=int, default=4, help="micro-batches per optimizer step")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "pytrain-titan")
     p.add_argument("--tokenizer", type=Path, default=None,
@@ -184,31 +190,48 @@ def main() -> int:
         write_text_jsonl(corpus)
     import torch
 
-    rows = []
+    # Each side's runs once per sequence length; the comparisons pair them afterwards.
+    ours_runs = {"bf16": ["--model.float8_head", "off"], "preset": [],
+                 "fp8": ["--model.float8", "tensorwise"]}  # fmt: skip
+    results: dict[int, dict[str, dict]] = {}
     for seq in (int(s) for s in args.seq.split(",")):
-        for label, ours_extra, fp8 in (("bf16 vs bf16", ["--model.float8_head", "off"], False),
-                                       ("best vs best", [], True)):  # fmt: skip
-            a = run_ours(work, seq, args.accum, args.steps, ours_extra)
-            b = run_titan(work, args.titan_site, seq, args.accum, args.steps, fp8)
-            rows.append((seq, label, a, b))
-            print(f"[{seq} {label}] ours {a} torchtitan {b}", flush=True)
+        r = results[seq] = {}
+        for name, extra in ours_runs.items():
+            r[f"ours {name}"] = run_ours(work, seq, args.rows, args.accum, args.steps, name, extra)
+            print(f"[{seq}] ours {name}: {r[f'ours {name}']}", flush=True)
+        for name, fp8 in (("bf16", False), ("fp8", True)):
+            r[f"torchtitan {name}"] = run_titan(
+                work, args.titan_site, seq, args.rows, args.accum, args.steps, fp8
+            )
+            print(f"[{seq}] torchtitan {name}: {r[f'torchtitan {name}']}", flush=True)
     print(f"\nLlama-3.2-1B shape, one {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"8 rows x {args.accum} micro-batches a step\n")  # fmt: skip
-    print(
-        "| seq | comparison | ours tok/s | ours MFU | ours peak GiB | torchtitan tok/s | torchtitan MFU | torchtitan peak GiB | ratio |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for seq, label, a, b in rows:
+          f"{args.rows} rows x {args.accum} micro-batches a step\n")  # fmt: skip
+    print("| seq | run | tok/s | MFU | peak GiB |")
+    print("|---|---|---|---|---|")
+    for seq, r in results.items():
         f = flops_per_token(seq) / 1e12 / PEAK_TFLOPS
-
-        def cells(x: dict, f: float = f) -> str:
+        for name, x in r.items():
             if "error" in x:
-                return f"failed: {x['error']} | - | -"
-            return f"{x['tokens_per_s']:,.0f} | {x['tokens_per_s'] * f:.1%} | {x['peak_gib']:.1f}"
+                print(f"| {seq} | {name} | failed: {x['error']} | - | - |")
+            else:
+                print(f"| {seq} | {name} | {x['tokens_per_s']:,.0f} | "
+                      f"{x['tokens_per_s'] * f:.1%} | {x['peak_gib']:.1f} |")  # fmt: skip
+    print("\n| seq | comparison | ours | torchtitan | ratio |")
+    print("|---|---|---|---|---|")
+    for seq, r in results.items():
+        ok = {k: v for k, v in r.items() if "error" not in v}
 
-        ratio = (f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}x"
-                 if "error" not in a and "error" not in b else "-")  # fmt: skip
-        print(f"| {seq} | {label} | {cells(a)} | {cells(b)} | {ratio} |")
+        def best(side: str, ok: dict = ok) -> str | None:
+            names = [k for k in ok if k.startswith(side)]
+            return max(names, key=lambda k: ok[k]["tokens_per_s"]) if names else None
+
+        for label, a, b in (("bf16 vs bf16", "ours bf16", "torchtitan bf16"),
+                            ("best vs best", best("ours"), best("torchtitan"))):  # fmt: skip
+            if a in ok and b in ok:
+                ratio = ok[a]["tokens_per_s"] / ok[b]["tokens_per_s"]
+                print(f"| {seq} | {label} | {a} | {b} | {ratio:.2f}x |")
+            else:
+                print(f"| {seq} | {label} | {a} | {b} | - |")
     return 0
 
 
