@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -98,7 +99,7 @@ def run_titan(
     if float8:
         cmd += [
             "--model.converters",
-            "float8",
+            "quantize.linear.float8",  # 0.2.2 registers it under this name
             "--quantize.linear.float8.recipe_name",
             "tensorwise",
         ]
@@ -123,15 +124,21 @@ def run_ours(
     if not (data / "manifest.json").exists():
         _loader.write_synthetic(str(data), 20000, mu=7.0, sigma=1.0, vocab=SHAPE["vocab"], seed=0)
     name = f"ours-{seq}-{label}"
+    # A fresh run directory: an old one would be resumed (and its ~16 GB checkpoint kept).
+    shutil.rmtree(work / "runs" / name, ignore_errors=True)
     cmd = [sys.executable, "-m", "pytrain.train", "--no-progress", "--config", "configs/llama-1b.toml",
            "--data.path", str(data), "--data.seq_len", str(seq), "--data.batch_size", str(rows),
            "--optim.grad_accum", str(accum),
            "--max_steps", str(steps), "--eval_every", "0", "--samples", "0", "--log_every", "1",
            "--ckpt_every", "0", "--out_dir", str(work / "runs"), "--name", name, *extra]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    for ckpt in (work / "runs" / name).glob("ckpt-*"):  # ~16 GB each: the next run needs the disk
+        shutil.rmtree(ckpt) if ckpt.is_dir() else ckpt.unlink()
     (work / f"{name}.log").write_text(r.stdout + r.stderr)
     log = work / "runs" / name / "train.log"
-    logged = re.findall(r"step (\d+) loss .* tok/s ([\d,]+)", log.read_text()) if log.exists() else []
+    logged = (
+        re.findall(r"step (\d+) loss .* tok/s ([\d,]+)", log.read_text()) if log.exists() else []
+    )
     peak = re.search(r"\(([\d.]+) GiB reserved\)", r.stdout)
     if r.returncode or not logged:
         return {"error": (r.stderr.strip().splitlines() or ["?"])[-1][:200]}
@@ -171,6 +178,8 @@ def main() -> int:
     p.add_argument("--rows", type=int, default=8, help="rows per micro-batch (4 fit at 4096)")
     p.add_argument("--accum", type=int, default=4, help="micro-batches per optimizer step")
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--runs", default="ours bf16,ours preset,ours fp8,torchtitan bf16,torchtitan fp8",
+                   help="which runs, comma-separated (default: all five)")  # fmt: skip
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "pytrain-titan")
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="a tokenizer.json for torchtitan's text loader (default: the embedded default's BPE)")  # fmt: skip
@@ -194,12 +203,17 @@ def main() -> int:
     ours_runs = {"bf16": ["--model.float8_head", "off"], "preset": [],
                  "fp8": ["--model.float8", "tensorwise"]}  # fmt: skip
     results: dict[int, dict[str, dict]] = {}
+    wanted = {w.strip() for w in args.runs.split(",")}
     for seq in (int(s) for s in args.seq.split(",")):
         r = results[seq] = {}
         for name, extra in ours_runs.items():
+            if f"ours {name}" not in wanted:
+                continue
             r[f"ours {name}"] = run_ours(work, seq, args.rows, args.accum, args.steps, name, extra)
             print(f"[{seq}] ours {name}: {r[f'ours {name}']}", flush=True)
         for name, fp8 in (("bf16", False), ("fp8", True)):
+            if f"torchtitan {name}" not in wanted:
+                continue
             r[f"torchtitan {name}"] = run_titan(
                 work, args.titan_site, seq, args.rows, args.accum, args.steps, fp8
             )
