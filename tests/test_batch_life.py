@@ -5,6 +5,8 @@ on the CPU by replacing `pytrain.data.batch._copy` with one that reports a pendi
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from pytrain.data import DeviceFeed, TokenLoader
@@ -14,8 +16,9 @@ from pytrain.data import batch as data
 class SlowCopy:
     """An event that lands only after `polls` queries (or when waited for)."""
 
-    def __init__(self, polls: int):
+    def __init__(self, polls: int, sleep_s: float = 0.0):
         self.polls = polls
+        self.sleep_s = sleep_s  # how long a wait for it takes
         self.waited = False
 
     def query(self) -> bool:
@@ -25,6 +28,7 @@ class SlowCopy:
     def synchronize(self) -> None:
         self.waited = True
         self.polls = -1
+        time.sleep(self.sleep_s)
 
 
 @pytest.fixture
@@ -131,3 +135,40 @@ def test_evaluation_releases_its_slots_with_copies_in_flight(
     assert trainer.evaluate() == trainer.evaluate()
     trainer.close()
     assert trainer.loader.held_slots == 0
+
+
+def test_feed_time_splits_waiting_from_host_work_and_sums_to_the_loaders_wait(
+    synthetic_dataset, monkeypatch
+):
+    """The per-step data wait the trainer logs is the loader's blocked time (its ring, or
+    a copy that had not landed), step by step; the run's sum is the loader's own wait_s,
+    which the end line prints. Host work around it (taking batches, queueing copies) is
+    the separate `host_s`. Copies here land only when awaited, 20 ms later."""
+    real = data._copy
+    waits: list[SlowCopy] = []
+
+    def slow(hb, device, segments):
+        out, _ = real(hb, device, segments)
+        waits.append(SlowCopy(polls=10**9, sleep_s=0.02))
+        return out, waits[-1]
+
+    monkeypatch.setattr(data, "_copy", slow)
+    path, _ = synthetic_dataset
+    loader = TokenLoader(path, seq_len=32, batch_size=2, slots=4, threads=1)
+    spent = []
+    with DeviceFeed(loader, "cpu") as feed:
+        for _ in range(6):
+            batches, fed = feed.take(2)
+            feed.prefetch(2)
+            spent.append(fed)
+        stats = loader.stats()
+        awaited = sum(c.waited for c in waits)
+    assert awaited >= 6  # 4 slots, 2 fetched ahead: most copies are awaited
+    assert stats["copy_wait_s"] >= 0.02 * awaited * 0.9
+    assert stats["wait_s"] == pytest.approx(stats["ring_wait_s"] + stats["copy_wait_s"])
+    # Every step's wait is inside its host time, and the steps' waits add up to the loader's
+    # (the last prefetch is not a step's: its batches were never taken).
+    assert all(0 < f.wait_s <= f.host_s for f in spent)
+    last_prefetch = feed._ahead_time
+    total = sum(f.wait_s for f in spent) + last_prefetch.wait_s
+    assert total == pytest.approx(stats["wait_s"], rel=1e-6, abs=1e-6)

@@ -12,6 +12,7 @@ import torch
 
 from pytrain.config import parse_args
 from pytrain.data import DeviceBatch
+from pytrain.data.batch import FeedTime
 from pytrain.optim.schedule import lr_at
 from pytrain.train import checkpoint
 from pytrain.train.checkpoint import CheckpointMismatch
@@ -97,6 +98,30 @@ def test_resume_gives_exactly_the_same_losses(small_corpus, tmp_path):
     assert got == want  # bit for bit
     ckpts = sorted((tmp_path / "b" / "runs" / "t").glob("ckpt-*.pt"))
     assert [p.name for p in ckpts] == ["ckpt-00000005.pt", "ckpt-00000012.pt"]
+
+
+def test_logged_data_waits_add_up_to_the_loaders_wait_that_the_end_line_prints(
+    small_corpus, tmp_path
+):
+    """train.log's per-step data_wait_ms (every step logged here) sums to the loader's
+    wait_s, the end line's "data wait": one measure, not two (issue 33: the GPU table read
+    18 ms a step where the end line said 0.00 s). feed_ms holds the rest of the host's
+    data time, and is never less than the wait."""
+    t = Trainer(small_cfg(small_corpus, tmp_path, "--optim.grad_accum", "3", "--max_steps", "6"))
+    t.fit()
+    total = t.loader.stats()["wait_s"]
+    t.close()
+    logged = [
+        (float(w), float(f))
+        for w, f in re.findall(
+            r"data_wait_ms ([\d.]+) feed_ms ([\d.]+)",
+            (tmp_path / "runs" / "t" / "train.log").read_text(),
+        )
+    ]
+    assert len(logged) == 6
+    assert all(w <= f for w, f in logged)
+    assert total > 0  # the first step waits for the ring to fill
+    assert sum(w for w, _ in logged) / 1e3 == pytest.approx(total, abs=6 * 0.005e-3 + 1e-6)
 
 
 def test_truncated_checkpoint_is_skipped_with_a_warning(small_corpus, tmp_path):
@@ -388,7 +413,7 @@ def test_step_log_averages_throughput_over_the_window_between_lines(tmp_path):
                     log_every=2, progress=False, device=torch.device("cpu"))  # fmt: skip
     r = SimpleNamespace(tokens=1000, loss=1.0, grad_norm=1.0, skipped=None)
     for number, dt in ((1, 1.0), (2, 1.999), (3, 0.001), (4, 1.0), (5, 1.0), (6, 1.0)):
-        steps.step(r, number, dt, 0.0, 1e-3, 0, 0)
+        steps.step(r, number, dt, FeedTime(), 1e-3, 0, 0)
     log.close()
     text = (tmp_path / "train.log").read_text()
     got = [float(t.replace(",", "")) for t in re.findall(r"tok/s ([\d,]+)", text)]

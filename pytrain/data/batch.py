@@ -6,7 +6,7 @@ step's micro-batches and releases slots once their copies have landed."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -17,7 +17,7 @@ from pytrain import _loader
 
 __all__ = [
     "position_ids", "loss_mask", "token_ids", "cu_seqlens",
-    "HostBatch", "DeviceBatch", "DeviceFeed", "CopyEvent",
+    "HostBatch", "DeviceBatch", "DeviceFeed", "FeedTime", "CopyEvent",
 ]  # fmt: skip
 
 
@@ -166,6 +166,7 @@ class BatchSource(Protocol):
     """What DeviceFeed reads: host batches, and the position after those handed out."""
 
     def __next__(self) -> HostBatch: ...
+    def waited_s(self) -> float: ...
     def state_dict(self) -> dict: ...
     def load_state_dict(self, state: dict) -> None: ...
     def close(self) -> None: ...
@@ -243,6 +244,21 @@ class DeviceBatch:
         )
 
 
+@dataclass(frozen=True)
+class FeedTime:
+    """The host's seconds spent getting micro-batches: `wait_s` blocked on the loader (no
+    batch ready in its ring, or a slot's earlier copy not landed; the loader's own
+    `stats()["wait_s"]` counts the same), `host_s` in all (the wait, taking the batches
+    and queueing their copies and derived tensors: host work that overlaps the device's
+    queued work unless the host falls behind it)."""
+
+    wait_s: float = 0.0
+    host_s: float = 0.0
+
+    def __add__(self, other: FeedTime) -> FeedTime:
+        return FeedTime(self.wait_s + other.wait_s, self.host_s + other.host_s)
+
+
 class DeviceFeed:
     """Micro-batches of a `TokenLoader` on a device: the one place that copies batches
     to the device (on a side stream, with document segments when the attention reads
@@ -251,7 +267,7 @@ class DeviceFeed:
 
         with DeviceFeed(loader, device) as feed:
             for b in feed: ...            # DeviceBatch; nothing to release
-            batches, wait_s = feed.take(4)
+            batches, spent = feed.take(4)   # spent: FeedTime
 
     Slots are released by the loader as copies land; `close()` waits for the copies in
     flight and closes the loader (on every path, exceptions included, under `with`)."""
@@ -261,7 +277,7 @@ class DeviceFeed:
         self.device = torch.device(device)
         self.segments = segments
         self._ahead: list[DeviceBatch] = []
-        self._ahead_wait = 0.0  # seconds spent fetching the batches ahead
+        self._ahead_time = FeedTime()  # spent fetching the batches ahead
         self._state_taken: dict | None = None  # loader state before the batches ahead
 
     def __iter__(self) -> Iterator[DeviceBatch]:
@@ -275,22 +291,31 @@ class DeviceFeed:
             return b
         return next(self.loader).to(self.device, self.segments)
 
-    def take(self, n: int) -> tuple[list[DeviceBatch], float]:
-        """The next `n` batches (prefetched ones first) and the seconds spent waiting for
-        them. Raises StopIteration if the loader ends before `n`."""
-        t0 = time.perf_counter()
-        waited, self._ahead_wait = self._ahead_wait, 0.0
-        out = [next(self) for _ in range(n)]
-        return out, waited + time.perf_counter() - t0
+    def take(self, n: int) -> tuple[list[DeviceBatch], FeedTime]:
+        """The next `n` batches (prefetched ones first) and the time spent getting them
+        (their prefetch included). Raises StopIteration if the loader ends before `n`."""
+        spent, self._ahead_time = self._ahead_time, FeedTime()
+        return self._timed(lambda: [next(self) for _ in range(n)], spent)
 
     def prefetch(self, n: int) -> None:
         """Fetches `n` batches now (call while the device is busy), keeping the loader
         state from before them for `state_dict()`."""
         if self._state_taken is None:
             self._state_taken = self.loader.state_dict()
-        t0 = time.perf_counter()
-        self._ahead += [next(self.loader).to(self.device, self.segments) for _ in range(n)]
-        self._ahead_wait += time.perf_counter() - t0
+
+        def fetch() -> list[DeviceBatch]:
+            return [next(self.loader).to(self.device, self.segments) for _ in range(n)]
+
+        batches, self._ahead_time = self._timed(fetch, self._ahead_time)
+        self._ahead += batches
+
+    def _timed(
+        self, fetch: Callable[[], list[DeviceBatch]], spent: FeedTime
+    ) -> tuple[list[DeviceBatch], FeedTime]:
+        waited, t0 = self.loader.waited_s(), time.perf_counter()
+        out = fetch()
+        now = FeedTime(self.loader.waited_s() - waited, time.perf_counter() - t0)
+        return out, spent + now
 
     def state_dict(self) -> dict:
         """The loader state after the batches handed out (not the ones fetched ahead)."""
@@ -300,7 +325,7 @@ class DeviceFeed:
 
     def load_state_dict(self, state: dict) -> None:
         self._ahead.clear()
-        self._ahead_wait, self._state_taken = 0.0, None
+        self._ahead_time, self._state_taken = FeedTime(), None
         self.loader.load_state_dict(state)
 
     def close(self) -> None:

@@ -20,6 +20,7 @@ yields exactly the batches an uninterrupted run would have produced next."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -70,6 +71,11 @@ class TokenLoader:
         self._schedule = self._mixture(weights, stages)
         self._inner: _loader.Loader | None = None
         self._state: dict | None = None
+        # Seconds the consumer was blocked, kept across restarts (the Rust loader's own
+        # count starts at 0 with its threads): waiting on copies to land, and on the ring
+        # of the loaders that ran before this one.
+        self._copy_wait_s = 0.0
+        self._ring_wait_before_s = 0.0
         self._start()
 
     def _mixture(self, weights, stages) -> list[tuple[int, list[float]]] | None:
@@ -108,6 +114,7 @@ class TokenLoader:
         n = self._slot_elems()
         if self._inner is not None:
             self._reclaim(keep=0)
+            self._ring_wait_before_s += self._inner.stats()["wait_s"]
         # Fresh slot memory on every (re)start: batches still held from an earlier start
         # keep their own memory and are never overwritten.
         token_dtype = torch.uint16 if self.dataset.dtype == "uint16" else torch.int32
@@ -173,7 +180,9 @@ class TokenLoader:
             self._release(self._landing.popleft()[0])
         while self._landing and len(self._held) >= keep:
             hb, landed = self._landing.popleft()
+            t0 = time.perf_counter()
             landed.synchronize()
+            self._copy_wait_s += time.perf_counter() - t0
             self._release(hb)
 
     @property
@@ -209,14 +218,25 @@ class TokenLoader:
         return int(self._running().state()["sources"][0]["epoch"])
 
     def stats(self) -> dict:
-        """Totals of this rank: batches, tokens (tokens_by_source by name), waits,
-        documents, skipped frames; epochs_by_source from the position."""
+        """Totals of this rank: batches, tokens (tokens_by_source by name), documents,
+        skipped frames; epochs_by_source from the position; the seconds the consumer was
+        blocked: wait_s, the sum of ring_wait_s (no batch ready in the ring) and
+        copy_wait_s (a slot's copy to the device had not landed). The batches' counts are
+        those of the running loader; the waits cover every start of this one."""
         inner = self._running()
         s = dict(inner.stats())
+        s["ring_wait_s"] = self._ring_wait_before_s + s["wait_s"]
+        s["copy_wait_s"] = self._copy_wait_s
+        s["wait_s"] = s["ring_wait_s"] + s["copy_wait_s"]
         s["tokens_by_source"] = dict(zip(self.names, s["tokens_by_source"], strict=True))
         srcs = inner.state()["sources"]
         s["epochs_by_source"] = {n: int(p["epoch"]) for n, p in zip(self.names, srcs, strict=True)}
         return s
+
+    def waited_s(self) -> float:
+        """Seconds the consumer has been blocked so far (stats' wait_s)."""
+        ring = self._inner.stats()["wait_s"] if self._inner is not None else 0.0
+        return self._ring_wait_before_s + ring + self._copy_wait_s
 
     def _running(self) -> _loader.Loader:
         if self._inner is None:  # only between stopping old threads and starting new ones
@@ -231,6 +251,7 @@ class TokenLoader:
         """Waits for copies in flight, then stops the loader threads."""
         if self._inner is not None:
             self._reclaim(keep=0)
+            self._ring_wait_before_s += self._inner.stats()["wait_s"]
             self._inner.shutdown()  # joins the threads without the GIL
         self._inner = None
 

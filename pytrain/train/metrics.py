@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from pytrain.data.batch import FeedTime
+
 PEAK_BF16_FLOPS = {
     "H100": 989e12,
     "H200": 989e12,
@@ -160,13 +162,16 @@ class StepLog:
             self.bar = None
 
     def step(
-        self, r, number: int, dt: float, wait: float, lr: float, skipped: int, fallbacks: int
+        self, r, number: int, dt: float, fed: FeedTime, lr: float, skipped: int, fallbacks: int
     ) -> None:
         """Logs the step (a `guard.StepResult`) that completed step count `number`.
         Tokens/s, step time and MFU are averaged over the steps since the last text line:
         a single step's period, measured on the host between reads of its values, can
         swing (a host that queued a step late reads it late, then the next one early:
-        seen as 0.9 ms "steps" next to checkpoints), while their sum is exact."""
+        seen as 0.9 ms "steps" next to checkpoints), while their sum is exact. `fed`: the
+        step's own data time, not averaged: data_wait_ms, blocked on the loader (the end
+        line's "data wait" is the run's sum of it), and feed_ms, all host time getting the
+        batches (the wait included)."""
         tokens, seconds, steps = self._window
         tokens, seconds, steps = tokens + r.tokens, seconds + dt, steps + 1
         self._window = (tokens, seconds, steps)
@@ -179,7 +184,8 @@ class StepLog:
             "train/grad_norm": r.grad_norm,
             "perf/tokens_per_s": tok_s,
             "perf/step_ms": dt * 1e3,
-            "perf/data_wait_ms": wait * 1e3,
+            "perf/data_wait_ms": fed.wait_s * 1e3,
+            "perf/feed_ms": fed.host_s * 1e3,
             "perf/mfu": mfu,
             "train/skipped_steps": skipped,
             "compile/fallbacks": fallbacks,
@@ -196,8 +202,8 @@ class StepLog:
         if number % self.log_every == 0 or number == 1:
             line = (
                 f"step {number} loss {r.loss:.4f} lr {lr:.2e} grad_norm {r.grad_norm:.3f} "
-                f"tok/s {tok_s:,.0f} step_ms {dt * 1e3:.1f} data_wait_ms {wait * 1e3:.2f}"
-                + (f" mfu {mfu:.1%}" if mfu else "")
+                f"tok/s {tok_s:,.0f} step_ms {dt * 1e3:.1f} data_wait_ms {fed.wait_s * 1e3:.2f} "
+                f"feed_ms {fed.host_s * 1e3:.2f}" + (f" mfu {mfu:.1%}" if mfu else "")
             )
             self.log.text(line)
             self._window = (0, 0.0, 0)

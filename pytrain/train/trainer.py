@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from pytrain.config import TrainConfig, derive_grad_accum
-from pytrain.data.batch import DeviceBatch, DeviceFeed, HostBatch
+from pytrain.data.batch import DeviceBatch, DeviceFeed, FeedTime, HostBatch
 from pytrain.model import flash4, float8, fused_gelu
 from pytrain.model.gpt import GPT, LossModule, checkpoint_every
 from pytrain.optim.build import build_optimizer, keeps_masters
@@ -366,20 +366,20 @@ class Trainer:
         # No device sync inside a step: step k is queued, then step k-1's values are read
         # (the device finished them while step k was being queued) and logged. Step time
         # is the period between successive reads: in steady state, the device's.
-        pending: tuple[PendingStep, float, int] | None = None  # (step, data wait, number)
+        pending: tuple[PendingStep, FeedTime, int] | None = None  # (step, its feed, number)
         t_mark = time.perf_counter()
 
         def settle_pending() -> None:
             nonlocal pending, t_mark
             if pending is None:
                 return
-            (p, wait, number), pending = pending, None
+            (p, fed, number), pending = pending, None
             r = self.settle(p)
             now = time.perf_counter()
             dt, t_mark = now - t_mark, now
             history.append(r.loss)
             self.steplog.step(
-                r, number, dt, wait, lr_at(number - 1, cfg.optim, cfg.max_steps), self.guard.skipped,
+                r, number, dt, fed, lr_at(number - 1, cfg.optim, cfg.max_steps), self.guard.skipped,
                 len(self.compiler.fallbacks),
             )  # fmt: skip
             if len(self.loader.names) > 1 and number % cfg.log_every == 0:
@@ -388,13 +388,13 @@ class Trainer:
         while self.step < cfg.max_steps:
             if cfg.halt_after and self.step - first_step >= cfg.halt_after:
                 break
-            batches, wait = self.feed.take(cfg.optim.grad_accum)
+            batches, fed = self.feed.take(cfg.optim.grad_accum)
             self.profiler.before_step(self.step)
             p = self.train_step(batches, prefetch=self._prefetch_next)
             self.tokens_seen += p.tokens
             self.step += 1
             settle_pending()
-            pending = (p, wait, self.step)
+            pending = (p, fed, self.step)
             if written := self.profiler.after_step(self.step):
                 self.say(written)
                 t_mark = time.perf_counter()  # writing the trace is not step time
