@@ -18,6 +18,8 @@ repeated runs of one preset would):
               from 2 ranks to 1): the step count and the loss continue
   pack        `pack-shards` on real text (Python sources as JSONL) with a real tokenizer
               file, then training on it with evaluation
+  llama-1b    configs/llama-1b.toml, shortened: evaluation, a checkpoint, the resume, and
+              the export, whose LlamaForCausalLM gives our logits (needs ~80 GB of GPU memory)
 
 Every row checks the exit codes, that validation losses were logged, that the second
 invocation resumed and continued the step count, and that nothing went non-finite. The
@@ -335,6 +337,57 @@ def row_pack(work: Path) -> Row:
     return row
 
 
+# Run by row llama-1b in a process of its own: our model from the run's checkpoint and
+# transformers' from the export, both in fp32 on the CPU (no TF32 or kernel choices between
+# them), on the same ids.
+LOGITS_CHECK = """
+import sys, torch, transformers
+from pytrain.model.load import load
+run, out = sys.argv[1], sys.argv[2]
+ours = load(run).gpt.float().eval()
+theirs = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
+ids = torch.randint(0, ours.vocab, (2, 64), generator=torch.Generator().manual_seed(0))
+with torch.no_grad():
+    a, b = ours(ids).float(), theirs(ids).logits
+print(f"class {type(theirs).__name__} max_abs_diff {(a - b).abs().max().item():.3g} "
+      f"max_abs_logit {a.abs().max().item():.3g}")
+"""
+
+
+def row_llama_1b(work: Path) -> Row:
+    """configs/llama-1b.toml as shipped, shortened (the embedded default's data and
+    tokenizer, so a vocabulary of 4096; 2 micro-batches a step): evaluation, a
+    checkpoint, the resume, then `python -m pytrain.export` of the run, loaded by
+    transformers as LlamaForCausalLM with logits equal to ours. Its checkpoints (~16 GB
+    each with AdamW's state) are deleted at the end."""
+    row = Row("llama-1b", "")
+    train, val = default_dataset(work)
+    args = ["--config", "configs/llama-1b.toml", "--data.path", str(train), "--data.val_path", str(val),
+            "--optim.grad_accum", "2", "--compile.cache_dir", str(work / "inductor-cache"),
+            "--samples", "1", "--eval_every", "5", "--ckpt_every", "10", "--eval_batches", "4",
+            "--keep_ckpts", "1"]  # fmt: skip
+    train_twice(row, work, args, first=10, total=20)
+    run_dir, hf = work / "runs" / row.name, work / "llama-1b-hf"
+    shutil.rmtree(hf, ignore_errors=True)
+    rc, _ = run([PY, "-m", "pytrain.export", str(run_dir), str(hf)], work / "llama-1b-export.log")
+    rc2, out = run([PY, "-c", LOGITS_CHECK, str(run_dir), str(hf)], work / "llama-1b-logits.log")
+    m = re.search(r"class (\w+) max_abs_diff (\S+) max_abs_logit (\S+)", out)
+    problems = [row.note] if row.note else []
+    if rc or rc2 or not m:
+        problems.append(f"export exit {rc}, logits check exit {rc2}")
+    elif m.group(1) != "LlamaForCausalLM" or float(m.group(2)) > 1e-3:
+        problems.append(f"export: {m.group(1)}, logits differ by {m.group(2)}")
+    else:
+        row.note = f"export: LlamaForCausalLM, logits within {m.group(2)} (of up to {m.group(3)})"
+    if problems:
+        row.note = "; ".join(problems)
+    row.ok = row.ok and not problems
+    for ckpt in run_dir.glob("ckpt-*"):
+        shutil.rmtree(ckpt) if ckpt.is_dir() else ckpt.unlink()
+    shutil.rmtree(hf, ignore_errors=True)
+    return row
+
+
 ROWS = {
     "default": row_default,
     "preset": lambda w: row_preset(w, "preset"),
@@ -355,6 +408,7 @@ ROWS = {
     "torchrun": row_torchrun,
     "fsdp-cpu-gpu": row_fsdp_cpu_gpu,
     "pack": row_pack,
+    "llama-1b": row_llama_1b,
 }
 
 
