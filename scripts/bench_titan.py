@@ -25,7 +25,13 @@ fastest run with the other's. MFU with one formula for both: 6N + 12 L H d T per
 (N: the blocks and the output layer, the embedding lookup costing nothing; attention
 included), against 989 TFLOP/s (H100 dense bf16). Peak
 memory: torch.cuda.max_memory_reserved for both (torchtitan logs it as "memory"). Medians
-over the steps after the first third. A table is printed last."""
+over the steps after the first third. A table is printed last.
+
+With --quality, every run trains on real text instead (the Python sources, every 20th
+document held out; ours packed by pack-shards with the same tokenizer, so at that
+tokenizer's vocabulary) with a warm-up of a tenth of --steps, and both sides report their
+validation loss at the last step on the held-out text: a float8 run counts only within 1%
+of its own side's bf16 run (issue 33), e.g. `--quality --steps 300`."""
 
 from __future__ import annotations
 
@@ -42,6 +48,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 PEAK_TFLOPS = 989.0  # H100 SXM dense bf16
+VAL_BATCHES = 20  # --quality: validation batches of --rows rows, the same for both
 SHAPE = {
     "n_layer": 16,
     "d_model": 2048,
@@ -85,8 +92,9 @@ def steady(values: list[tuple[int, float]], steps: int) -> float:
 
 
 def run_titan(
-    work: Path, site: Path, seq: int, rows: int, accum: int, steps: int, float8: bool
-) -> dict:
+    work: Path, site: Path, seq: int, rows: int, accum: int, steps: int, float8: bool,
+    val: Path | None = None,
+) -> dict:  # fmt: skip
     corpus, tok = work / "titan-corpus", work / "titan-tokenizer"  # written by main()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
            str(Path(__file__).resolve()), "--titan-run",
@@ -103,25 +111,39 @@ def run_titan(
             "--quantize.linear.float8.recipe_name",
             "tensorwise",
         ]
+    if val is not None:  # --quality: its validation at the last step, a short warm-up
+        cmd += ["--validation.enable", "--validation.dataset", "c4_test",
+                "--validation.dataset_path", str(val), "--validation.freq", str(steps),
+                "--validation.steps", str(VAL_BATCHES), "--validation.local_batch_size", str(rows),
+                "--validation.seq_len", str(seq), "--lr_scheduler.warmup_steps", str(steps // 10)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": f"{site}:{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     log = re.sub(r"\x1b\[[0-9;]*m", "", r.stdout + r.stderr)
     (work / f"titan-{seq}-{'fp8' if float8 else 'bf16'}.log").write_text(log)
     logged = [(int(s), float(t.replace(",", "")), float(m))
-            for s, m, t in re.findall(r"step:\s*(\d+).*?memory:\s*([\d.]+)GiB.*?tps: ([\d,]+)", log)]  # fmt: skip
+            for s, m, t in re.findall(r"(?<!validate )step:\s*(\d+).*?memory:\s*([\d.]+)GiB.*?tps: ([\d,]+)", log)]  # fmt: skip
     if r.returncode or not logged:
         return {"error": (log.strip().splitlines() or ["?"])[-1][:200]}
+    vals = re.findall(r"validate step:\s*\d+\s+loss:\s*([\d.]+)", log)
     return {"tokens_per_s": steady([(s, t) for s, t, _ in logged], steps),
-            "peak_gib": max(m for *_, m in logged)}  # fmt: skip
+            "peak_gib": max(m for *_, m in logged),
+            **({"val_loss": float(vals[-1])} if vals else {})}  # fmt: skip
 
 
 def run_ours(
-    work: Path, seq: int, rows: int, accum: int, steps: int, label: str, extra: list[str]
-) -> dict:
+    work: Path, seq: int, rows: int, accum: int, steps: int, label: str, extra: list[str],
+    text: tuple[Path, Path] | None = None,
+) -> dict:  # fmt: skip
+    """The preset on synthetic ids at Llama 3's vocabulary; with `text` (--quality), on that
+    packed train and validation text, evaluated at the last step, with a short warm-up."""
     from pytrain import _loader
 
     data = work / "syn128k"
-    if not (data / "manifest.json").exists():
+    if text is not None:
+        data = text[0]
+        extra = [*extra, "--data.val_path", str(text[1]), "--eval_every", str(steps),
+                 "--eval_batches", str(VAL_BATCHES), "--optim.warmup_steps", str(steps // 10)]  # fmt: skip
+    elif not (data / "manifest.json").exists():
         _loader.write_synthetic(str(data), 20000, mu=7.0, sigma=1.0, vocab=SHAPE["vocab"], seed=0)
     name = f"ours-{seq}-{label}"
     # A fresh run directory: an old one would be resumed (and its ~16 GB checkpoint kept).
@@ -142,8 +164,10 @@ def run_ours(
     peak = re.search(r"\(([\d.]+) GiB reserved\)", r.stdout)
     if r.returncode or not logged:
         return {"error": (r.stderr.strip().splitlines() or ["?"])[-1][:200]}
+    vals = re.findall(r"step \d+ val_loss ([\d.]+)", log.read_text())
     return {"tokens_per_s": steady([(int(s), float(t.replace(",", ""))) for s, t in logged], steps),
-            "peak_gib": float(peak.group(1)) if peak else float("nan")}  # fmt: skip
+            "peak_gib": float(peak.group(1)) if peak else float("nan"),
+            **({"val_loss": float(vals[-1])} if vals else {})}  # fmt: skip
 
 
 def default_tokenizer() -> Path:
@@ -162,6 +186,26 @@ def write_text_jsonl(path: Path, mb: int = 30) -> None:
     with open(path, "w") as f:
         for _, text in python_sources(mb << 20):
             f.write(json.dumps({"text": text}) + "\n")
+
+
+def split_and_pack(work: Path, corpus: Path, tokenizer: Path) -> tuple[Path, tuple[Path, Path]]:
+    """--quality: every 20th document of `corpus` held out. torchtitan reads the JSONL
+    (its train file rewritten without them, a validation directory of its own); ours
+    reads both packed by pack-shards with the same tokenizer."""
+    lines = corpus.read_text().splitlines()
+    val_dir = work / "titan-val"
+    val_dir.mkdir(exist_ok=True)
+    (val_dir / "val.json").write_text("".join(x + "\n" for i, x in enumerate(lines) if i % 20 == 0))
+    corpus.write_text("".join(x + "\n" for i, x in enumerate(lines) if i % 20))
+    packed = work / "ours-text"
+    packed.mkdir(exist_ok=True)
+    for split, src in (("train", corpus), ("val", val_dir / "val.json")):
+        jsonl = packed / f"{split}.jsonl"  # pack-shards knows JSON lines by this suffix
+        shutil.copyfile(src, jsonl)
+        cmd = [sys.executable, "-m", "pytrain.pack_shards", str(jsonl), "-o", str(packed / split),
+               "--tokenizer", str(tokenizer), "--overwrite", "--no-progress"]  # fmt: skip
+        subprocess.run(cmd, check=True, cwd=ROOT)
+    return val_dir, (packed / "train", packed / "val")
 
 
 def main() -> int:
@@ -185,6 +229,10 @@ def main() -> int:
                    help="a tokenizer.json for torchtitan's text loader (default: the embedded default's BPE)")  # fmt: skip
     p.add_argument("--text", type=Path, default=None,
                    help="a JSONL file of {'text': ...} for torchtitan (default: this machine's Python sources)")  # fmt: skip
+    p.add_argument("--quality", action="store_true",
+                   help="every run on the text (ours: packed with the tokenizer), every 20th "
+                   "document held out, the validation loss at the last step (--steps); each side's "
+                   "float8 run against its bf16 run (goal: within 1%%)")  # fmt: skip
     args = p.parse_args()
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
@@ -197,6 +245,12 @@ def main() -> int:
         corpus.write_bytes(args.text.read_bytes())
     else:
         write_text_jsonl(corpus)
+    titan_val: Path | None = None
+    ours_text: tuple[Path, Path] | None = None
+    if args.quality:
+        titan_val, ours_text = split_and_pack(
+            work, corpus, work / "titan-tokenizer" / "tokenizer.json"
+        )
     import torch
 
     # Each side's runs once per sequence length; the comparisons pair them afterwards.
@@ -209,17 +263,22 @@ def main() -> int:
         for name, extra in ours_runs.items():
             if f"ours {name}" not in wanted:
                 continue
-            r[f"ours {name}"] = run_ours(work, seq, args.rows, args.accum, args.steps, name, extra)
+            r[f"ours {name}"] = run_ours(
+                work, seq, args.rows, args.accum, args.steps, name, extra, ours_text
+            )
             print(f"[{seq}] ours {name}: {r[f'ours {name}']}", flush=True)
         for name, fp8 in (("bf16", False), ("fp8", True)):
             if f"torchtitan {name}" not in wanted:
                 continue
             r[f"torchtitan {name}"] = run_titan(
-                work, args.titan_site, seq, args.rows, args.accum, args.steps, fp8
+                work, args.titan_site, seq, args.rows, args.accum, args.steps, fp8, titan_val
             )
             print(f"[{seq}] torchtitan {name}: {r[f'torchtitan {name}']}", flush=True)
     print(f"\nLlama-3.2-1B shape, one {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"{args.rows} rows x {args.accum} micro-batches a step\n")  # fmt: skip
+    if args.quality:
+        print("(--quality: ours ran at its text's vocabulary, not 128256: its tokens/s and MFU\n"
+              "below are not comparable with torchtitan's; use a run without --quality)\n")  # fmt: skip
     print("| seq | run | tok/s | MFU | peak GiB |")
     print("|---|---|---|---|---|")
     for seq, r in results.items():
@@ -230,6 +289,23 @@ def main() -> int:
             else:
                 print(f"| {seq} | {name} | {x['tokens_per_s']:,.0f} | "
                       f"{x['tokens_per_s'] * f:.1%} | {x['peak_gib']:.1f} |")  # fmt: skip
+    if args.quality:
+        print(f"\nvalidation loss at step {args.steps} ({VAL_BATCHES} batches of held-out text)\n")
+        print(
+            "| seq | side | bf16 val loss | float8 run | its val loss | float8 / bf16 | within 1% |"
+        )
+        print("|---|---|---|---|---|---|---|")
+        for seq, r in results.items():
+            for side, fp8 in (
+                ("ours", "ours fp8"),
+                ("ours", "ours preset"),
+                ("torchtitan", "torchtitan fp8"),
+            ):
+                a, b = r.get(f"{side} bf16", {}), r.get(fp8, {})
+                if "val_loss" in a and "val_loss" in b:
+                    q = b["val_loss"] / a["val_loss"]
+                    print(f"| {seq} | {side} | {a['val_loss']:.4f} | {fp8} | {b['val_loss']:.4f} | "
+                          f"{q:.4f} | {'yes' if abs(q - 1) <= 0.01 else 'NO'} |")  # fmt: skip
     print("\n| seq | comparison | ours | torchtitan | ratio |")
     print("|---|---|---|---|---|")
     for seq, r in results.items():
