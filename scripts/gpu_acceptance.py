@@ -18,8 +18,9 @@ repeated runs of one preset would):
               from 2 ranks to 1): the step count and the loss continue
   pack        `pack-shards` on real text (Python sources as JSONL) with a real tokenizer
               file, then training on it with evaluation
-  llama-1b    configs/llama-1b.toml, shortened: evaluation, a checkpoint, the resume, and
-              the export, whose LlamaForCausalLM gives our logits (needs ~80 GB of GPU memory)
+  llama-350m, llama-1b, llama-3b  the Llama presets, shortened: evaluation, a checkpoint,
+              the resume, and the export, whose LlamaForCausalLM gives our logits; tokens/s
+              and peak memory in the note (1B and 3B need an 80 GB GPU; 3B ~110 GB of disk)
 
 Every row checks the exit codes, that validation losses were logged, that the second
 invocation resumed and continued the step count, and that nothing went non-finite. The
@@ -354,33 +355,41 @@ print(f"class {type(theirs).__name__} max_abs_diff {(a - b).abs().max().item():.
 """
 
 
-def row_llama_1b(work: Path) -> Row:
-    """configs/llama-1b.toml as shipped, shortened (the embedded default's data and
+def row_llama(work: Path, preset: str) -> Row:
+    """configs/<preset>.toml as shipped, shortened (the embedded default's data and
     tokenizer, so a vocabulary of 4096; 2 micro-batches a step): evaluation, a
     checkpoint, the resume, then `python -m pytrain.export` of the run, loaded by
-    transformers as LlamaForCausalLM with logits equal to ours. Its checkpoints (~16 GB
-    each with AdamW's state) are deleted at the end."""
-    row = Row("llama-1b", "")
+    transformers as LlamaForCausalLM with logits equal to ours. The note has the steady
+    tokens/s and the peak GPU memory. Its checkpoints (with AdamW's state: ~16 GB at 1B,
+    ~51 GB at 3B, and two exist while the last is written) are deleted at the end."""
+    row = Row(preset, "")
     train, val = default_dataset(work)
-    args = ["--config", "configs/llama-1b.toml", "--data.path", str(train), "--data.val_path", str(val),
+    args = ["--config", f"configs/{preset}.toml", "--data.path", str(train), "--data.val_path", str(val),
             "--optim.grad_accum", "2", "--compile.cache_dir", str(work / "inductor-cache"),
             "--samples", "1", "--eval_every", "5", "--ckpt_every", "10", "--eval_batches", "4",
-            "--keep_ckpts", "1"]  # fmt: skip
+            "--keep_ckpts", "1", "--log_every", "1"]  # fmt: skip
     train_twice(row, work, args, first=10, total=20)
-    run_dir, hf = work / "runs" / row.name, work / "llama-1b-hf"
+    run_dir, hf = work / "runs" / row.name, work / f"{preset}-hf"
+    log = (run_dir / "train.log").read_text() if (run_dir / "train.log").exists() else ""
+    speed = [float(t.replace(",", "")) for t in re.findall(r"tok/s ([\d,]+)", log)][-5:]
+    peak = re.findall(r"peak GPU memory ([\d.]+) GB", (work / f"{row.name}-2.log").read_text())
     shutil.rmtree(hf, ignore_errors=True)
-    rc, _ = run([PY, "-m", "pytrain.export", str(run_dir), str(hf)], work / "llama-1b-export.log")
-    rc2, out = run([PY, "-c", LOGITS_CHECK, str(run_dir), str(hf)], work / "llama-1b-logits.log")
+    rc, _ = run([PY, "-m", "pytrain.export", str(run_dir), str(hf)], work / f"{preset}-export.log")
+    rc2, out = run([PY, "-c", LOGITS_CHECK, str(run_dir), str(hf)], work / f"{preset}-logits.log")
     m = re.search(r"class (\w+) max_abs_diff (\S+) max_abs_logit (\S+)", out)
     problems = [row.note] if row.note else []
     if rc or rc2 or not m:
         problems.append(f"export exit {rc}, logits check exit {rc2}")
     elif m.group(1) != "LlamaForCausalLM" or float(m.group(2)) > 1e-3:
         problems.append(f"export: {m.group(1)}, logits differ by {m.group(2)}")
-    else:
-        row.note = f"export: LlamaForCausalLM, logits within {m.group(2)} (of up to {m.group(3)})"
+    figures = (f"{sorted(speed)[len(speed) // 2]:,.0f} tok/s (median of the last {len(speed)} lines)"
+               if speed else "no tok/s")  # fmt: skip
+    figures += f", peak {peak[-1]} GB allocated" if peak else ""
     if problems:
         row.note = "; ".join(problems)
+    else:
+        row.note = (f"{figures}; export: LlamaForCausalLM, logits within {m.group(2)} "
+                    f"(of up to {m.group(3)})")  # fmt: skip
     row.ok = row.ok and not problems
     for ckpt in run_dir.glob("ckpt-*"):
         shutil.rmtree(ckpt) if ckpt.is_dir() else ckpt.unlink()
@@ -408,7 +417,9 @@ ROWS = {
     "torchrun": row_torchrun,
     "fsdp-cpu-gpu": row_fsdp_cpu_gpu,
     "pack": row_pack,
-    "llama-1b": row_llama_1b,
+    "llama-350m": lambda w: row_llama(w, "llama-350m"),
+    "llama-1b": lambda w: row_llama(w, "llama-1b"),
+    "llama-3b": lambda w: row_llama(w, "llama-3b"),
 }
 
 
