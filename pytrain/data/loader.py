@@ -113,8 +113,7 @@ class TokenLoader:
         pin = torch.cuda.is_available() if c.pin_memory is None else c.pin_memory
         n = self._slot_elems()
         if self._inner is not None:
-            self._reclaim(keep=0)
-            self._ring_wait_before_s += self._inner.stats()["wait_s"]
+            self._retire(self._inner)
         # Fresh slot memory on every (re)start: batches still held from an earlier start
         # keep their own memory and are never overwritten.
         token_dtype = torch.uint16 if self.dataset.dtype == "uint16" else torch.int32
@@ -185,6 +184,12 @@ class TokenLoader:
             self._copy_wait_s += time.perf_counter() - t0
             self._release(hb)
 
+    def _retire(self, inner: _loader.Loader) -> None:
+        """Before `inner` stops (a restart or close): waits for every copy in flight and
+        keeps its ring wait, whose count goes with its threads."""
+        self._reclaim(keep=0)
+        self._ring_wait_before_s += inner.stats()["wait_s"]
+
     @property
     def held_slots(self) -> int:
         """Slots handed to the consumer and not yet given back (copies in flight included)."""
@@ -250,8 +255,7 @@ class TokenLoader:
     def close(self) -> None:
         """Waits for copies in flight, then stops the loader threads."""
         if self._inner is not None:
-            self._reclaim(keep=0)
-            self._ring_wait_before_s += self._inner.stats()["wait_s"]
+            self._retire(self._inner)
             self._inner.shutdown()  # joins the threads without the GIL
         self._inner = None
 
