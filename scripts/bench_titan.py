@@ -19,8 +19,9 @@ the real loader: tokens/s do not depend on the text.
 Runs, all at the same sequence length and tokens per optimizer step (`--rows` x
 `--accum` micro-batches), compiled, activation checkpointing off: ours in bf16 (`--model.float8_head
 off`), as shipped (the FP8 output layer), and with `--model.float8 tensorwise` (torchao);
-torchtitan (FSDP2 on one GPU, its default) in bf16 and with its float8 converter (tensorwise,
-every linear layer, the output one included). Compared: bf16 with bf16, and each side's
+torchtitan (FSDP2 on one GPU, its default) in bf16 and with its float8 converter (tensorwise)
+twice: on every linear layer, the output one included (its default), and with the output
+layer left in bf16 (`filter_fqns output`, as its llama3 recipes set it). Compared: bf16 with bf16, and each side's
 fastest run with the other's. MFU with one formula for both: 6N + 12 L H d T per token
 (N: the blocks and the output layer, the embedding lookup costing nothing; attention
 included), against 989 TFLOP/s (H100 dense bf16). Peak
@@ -48,6 +49,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 PEAK_TFLOPS = 989.0  # H100 SXM dense bf16
+RUNS = ("ours bf16", "ours preset", "ours fp8",
+        "torchtitan bf16", "torchtitan fp8", "torchtitan fp8 output-bf16")  # fmt: skip
 VAL_BATCHES = 20  # --quality: validation batches of --rows rows, the same for both
 SHAPE = {
     "n_layer": 16,
@@ -92,9 +95,11 @@ def steady(values: list[tuple[int, float]], steps: int) -> float:
 
 
 def run_titan(
-    work: Path, site: Path, seq: int, rows: int, accum: int, steps: int, float8: bool,
-    val: Path | None = None,
+    work: Path, site: Path, seq: int, rows: int, accum: int, steps: int, label: str,
+    float8: list[str] | None, val: Path | None = None,
 ) -> dict:  # fmt: skip
+    """torchtitan's trainer; `float8`: None for bf16, else float8 tensorwise on every linear
+    layer but those named (its `filter_fqns`)."""
     corpus, tok = work / "titan-corpus", work / "titan-tokenizer"  # written by main()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
            str(Path(__file__).resolve()), "--titan-run",
@@ -104,13 +109,15 @@ def run_titan(
            "--training.seq_len", str(seq), "--training.steps", str(steps), "--metrics.log_freq", "1",
            "--compile.enable", "--activation_checkpoint.mode", "none",
            "--job.dump_folder", str(work / "titan-out")]  # fmt: skip
-    if float8:
+    if float8 is not None:
         cmd += [
             "--model.converters",
             "quantize.linear.float8",  # 0.2.2 registers it under this name
             "--quantize.linear.float8.recipe_name",
             "tensorwise",
         ]
+        if float8:
+            cmd += ["--quantize.linear.float8.filter_fqns", ",".join(float8)]
     if val is not None:  # --quality: its validation at the last step, a short warm-up
         cmd += ["--validation.enable", "--validation.dataset", "c4_test",
                 "--validation.dataset_path", str(val), "--validation.freq", str(steps),
@@ -119,7 +126,7 @@ def run_titan(
     env = {**os.environ, "PYTHONPATH": f"{site}:{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     log = re.sub(r"\x1b\[[0-9;]*m", "", r.stdout + r.stderr)
-    (work / f"titan-{seq}-{'fp8' if float8 else 'bf16'}.log").write_text(log)
+    (work / f"titan-{seq}-{label.replace(' ', '-')}.log").write_text(log)
     logged = [(int(s), float(t.replace(",", "")), float(m))
             for s, m, t in re.findall(r"(?<!validate )step:\s*(\d+).*?memory:\s*([\d.]+)GiB.*?tps: ([\d,]+)", log)]  # fmt: skip
     if r.returncode or not logged:
@@ -195,11 +202,13 @@ def split_and_pack(work: Path, corpus: Path, tokenizer: Path) -> tuple[Path, tup
     lines = corpus.read_text().splitlines()
     val_dir = work / "titan-val"
     val_dir.mkdir(exist_ok=True)
-    (val_dir / "val.json").write_text("".join(x + "\n" for i, x in enumerate(lines) if i % 20 == 0))
+    (val_dir / "heldout.json").write_text(
+        "".join(x + "\n" for i, x in enumerate(lines) if i % 20 == 0)
+    )
     corpus.write_text("".join(x + "\n" for i, x in enumerate(lines) if i % 20))
     packed = work / "ours-text"
     packed.mkdir(exist_ok=True)
-    for split, src in (("train", corpus), ("val", val_dir / "val.json")):
+    for split, src in (("train", corpus), ("val", val_dir / "heldout.json")):
         jsonl = packed / f"{split}.jsonl"  # pack-shards knows JSON lines by this suffix
         shutil.copyfile(src, jsonl)
         cmd = [sys.executable, "-m", "pytrain.pack_shards", str(jsonl), "-o", str(packed / split),
@@ -222,8 +231,7 @@ def main() -> int:
     p.add_argument("--rows", type=int, default=8, help="rows per micro-batch (4 fit at 4096)")
     p.add_argument("--accum", type=int, default=4, help="micro-batches per optimizer step")
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--runs", default="ours bf16,ours preset,ours fp8,torchtitan bf16,torchtitan fp8",
-                   help="which runs, comma-separated (default: all five)")  # fmt: skip
+    p.add_argument("--runs", default=",".join(RUNS), help="which runs, comma-separated (default: all six)")  # fmt: skip
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "pytrain-titan")
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="a tokenizer.json for torchtitan's text loader (default: the embedded default's BPE)")  # fmt: skip
@@ -256,6 +264,13 @@ def main() -> int:
     # Each side's runs once per sequence length; the comparisons pair them afterwards.
     ours_runs = {"bf16": ["--model.float8_head", "off"], "preset": [],
                  "fp8": ["--model.float8", "tensorwise"]}  # fmt: skip
+    # torchtitan's float8: every linear layer (its default), and without the output layer,
+    # as its own llama3 recipes set `filter_fqns`.
+    titan_runs: dict[str, list[str] | None] = {
+        "bf16": None,
+        "fp8": [],
+        "fp8 output-bf16": ["output"],
+    }
     results: dict[int, dict[str, dict]] = {}
     wanted = {w.strip() for w in args.runs.split(",")}
     for seq in (int(s) for s in args.seq.split(",")):
@@ -267,11 +282,11 @@ def main() -> int:
                 work, seq, args.rows, args.accum, args.steps, name, extra, ours_text
             )
             print(f"[{seq}] ours {name}: {r[f'ours {name}']}", flush=True)
-        for name, fp8 in (("bf16", False), ("fp8", True)):
+        for name, fp8 in titan_runs.items():
             if f"torchtitan {name}" not in wanted:
                 continue
             r[f"torchtitan {name}"] = run_titan(
-                work, args.titan_site, seq, args.rows, args.accum, args.steps, fp8, titan_val
+                work, args.titan_site, seq, args.rows, args.accum, args.steps, name, fp8, titan_val
             )
             print(f"[{seq}] torchtitan {name}: {r[f'torchtitan {name}']}", flush=True)
     print(f"\nLlama-3.2-1B shape, one {torch.cuda.get_device_name()}, torch {torch.__version__}, "
@@ -300,6 +315,7 @@ def main() -> int:
                 ("ours", "ours fp8"),
                 ("ours", "ours preset"),
                 ("torchtitan", "torchtitan fp8"),
+                ("torchtitan", "torchtitan fp8 output-bf16"),
             ):
                 a, b = r.get(f"{side} bf16", {}), r.get(fp8, {})
                 if "val_loss" in a and "val_loss" in b:
