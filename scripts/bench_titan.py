@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -232,6 +233,9 @@ def main() -> int:
     p.add_argument("--accum", type=int, default=4, help="micro-batches per optimizer step")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--runs", default=",".join(RUNS), help="which runs, comma-separated (default: all six)")  # fmt: skip
+    p.add_argument("--ours-flags", default="",
+                   help="trainer flags added to every run of ours, one shell string "
+                   "(e.g. \"--model.fused_swiglu on\")")  # fmt: skip
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "pytrain-titan")
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="a tokenizer.json for torchtitan's text loader (default: the embedded default's BPE)")  # fmt: skip
@@ -279,8 +283,9 @@ def main() -> int:
             if f"ours {name}" not in wanted:
                 continue
             r[f"ours {name}"] = run_ours(
-                work, seq, args.rows, args.accum, args.steps, name, extra, ours_text
-            )
+                work, seq, args.rows, args.accum, args.steps, name,
+                [*extra, *shlex.split(args.ours_flags)], ours_text,
+            )  # fmt: skip
             print(f"[{seq}] ours {name}: {r[f'ours {name}']}", flush=True)
         for name, fp8 in titan_runs.items():
             if f"torchtitan {name}" not in wanted:
@@ -291,6 +296,8 @@ def main() -> int:
             print(f"[{seq}] torchtitan {name}: {r[f'torchtitan {name}']}", flush=True)
     print(f"\nLlama-3.2-1B shape, one {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"{args.rows} rows x {args.accum} micro-batches a step\n")  # fmt: skip
+    if args.ours_flags:
+        print(f"(every run of ours with {args.ours_flags})\n")
     if args.quality:
         print("(--quality: ours ran at its text's vocabulary, not 128256: its tokens/s and MFU\n"
               "below are not comparable with torchtitan's; use a run without --quality)\n")  # fmt: skip

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from pytrain.model import fused_ce
 from pytrain.model.gpt import GPT, ModelConfig
+from tests.model_grads import assert_same_loss_and_grads, loss_and_grads
 from tests.triton_interpreter import assert_passes_in_interpreter
 
 
@@ -60,22 +61,9 @@ def test_gpt_training_loss_is_the_same_fused_or_not(monkeypatch):
     monkeypatch.setattr(
         fused_ce, "linear_cross_entropy", lambda *a, **k: calls.append(1) or real(*a, **k)
     )
-    out = {}
-    for choice in ("off", "on"):
-        torch.manual_seed(0)
-        cfg = ModelConfig(vocab_size=200, n_layer=2, n_head=2, d_model=32, fused_ce=choice)
-        m = GPT(cfg).train()
-        g = torch.Generator().manual_seed(1)
-        ids = torch.randint(0, 200, (2, 16), generator=g)
-        targets = torch.randint(0, 200, (2, 16), generator=g)
-        keep = torch.rand(2, 16, generator=g) > 0.2
-        loss = m.loss_sum(ids, targets, None, keep, None)
-        loss.backward()
-        out[choice] = (loss.detach(), {n: p.grad for n, p in m.named_parameters()})
+    out = {choice: loss_and_grads(fused_ce=choice) for choice in ("off", "on")}
     assert len(calls) == 1  # "on" went through the fused op, "off" did not
-    torch.testing.assert_close(out["on"][0], out["off"][0], rtol=1e-5, atol=1e-5)
-    for name, grad in out["off"][1].items():
-        torch.testing.assert_close(out["on"][1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert_same_loss_and_grads(out["on"], out["off"])
 
 
 def fp8_emulated(x, w, t):

@@ -268,6 +268,37 @@ def test_compiled_model_with_fused_ce_matches_unfused():
     assert_same_loss_and_grads(gpt, got, want)
 
 
+@needs_cuda
+def test_fused_swiglu_kernels_equal_the_torch_path_at_llama_1b_width():
+    """The two Triton kernels on the GPU against the torch path, bf16, at Llama-3.2-1B's
+    hidden width (8192): within one rounding step."""
+    from pytrain.model import fused_swiglu
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    u = torch.randn(512, 2 * 8192, device="cuda", generator=g).mul_(3).bfloat16()
+    grad = torch.randn(512, 8192, device="cuda", generator=g).bfloat16()
+    torch.testing.assert_close(
+        fused_swiglu._swiglu_triton(u), fused_swiglu._swiglu_torch(u), rtol=2**-7, atol=1e-5
+    )
+    torch.testing.assert_close(
+        fused_swiglu._swiglu_backward_triton(u, grad),
+        fused_swiglu._swiglu_backward_torch(u, grad),
+        rtol=2**-7,
+        atol=1e-5,
+    )
+
+
+@needs_cuda
+def test_compiled_model_with_fused_swiglu_matches_unfused():
+    """The SwiGLU model compiled with model.fused_swiglu=on against the eager unfused one:
+    loss and gradients within bf16 compile bounds."""
+    gpt, args = small_gpt_and_batch(mlp="swiglu")
+    want = bf16_loss_and_grads(gpt, gpt.loss_sum, *args)
+    gpt.cfg.fused_swiglu = "on"
+    got = bf16_loss_and_grads(gpt, torch.compile(gpt.loss_sum), *args)
+    assert_same_loss_and_grads(gpt, got, want)
+
+
 def nvmath_available() -> bool:
     from pytrain.model import fused_gelu
 

@@ -16,6 +16,7 @@ CHOICES = {
     "fused_ce": ("auto", "on", "off"),
     "float8_head": ("auto", "on", "off"),
     "fused_gelu": ("auto", "on", "off"),
+    "fused_swiglu": ("auto", "on", "off"),
     "float8": ("off", "tensorwise", "rowwise"),
     "rope_scaling": ("none", "llama3"),
 }
@@ -68,6 +69,11 @@ class ModelConfig:
     nvmath-python, the `cublaslt` extra; pytrain.model.fused_gelu), in training: 'auto' (on
     CUDA where nvmath-python imports, in bf16/fp16), 'on', 'off'. Its GELU is the tanh form,
     within bf16 rounding of the erf form that evaluation keeps."""
+    fused_swiglu: str = "off"
+    """SwiGLU's activation as two ops whose backward writes the up projection's gradient in
+    one pass (pytrain.model.fused_swiglu; Triton), in training: 'auto' (on CUDA with
+    Triton), 'on', 'off'. Keeps the activation's output for backward: one (tokens x hidden)
+    tensor more per layer. Off until measured on a GPU against Inductor's own kernels."""
     float8: str = "off"
     """FP8 matmuls for the blocks' linear layers in training, through torchao (optional
     extra `float8`; GPUs with FP8: Ada, Hopper, Blackwell): 'off', 'tensorwise' or
@@ -102,6 +108,8 @@ class ModelConfig:
                 "model.fused_gelu=on needs model.mlp=gelu and model.float8=off "
                 f"(here mlp={self.mlp}, float8={self.float8})"
             )
+        if self.fused_swiglu == "on" and self.mlp != "swiglu":
+            raise ValueError(f"model.fused_swiglu=on needs model.mlp=swiglu (here {self.mlp})")
         if self.float8_head == "on" and self.fused_ce == "off":
             raise ValueError(
                 "model.float8_head=on needs the fused output layer (model.fused_ce auto or on)"

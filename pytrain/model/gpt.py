@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pytrain.config import ConfigError
-from pytrain.model import flash4, fused_ce, fused_gelu
+from pytrain.model import flash4, fused_ce, fused_gelu, fused_swiglu
 from pytrain.model.config import ModelConfig
 
 __all__ = ["GPT", "ModelConfig", "document_mask"]
@@ -197,7 +197,10 @@ class MLP(nn.Module):
 
     def forward(self, x):
         if self.swiglu:
-            a, b = self.up(x).chunk(2, dim=-1)
+            u = self.up(x)
+            if self.training and torch.is_grad_enabled() and fused_swiglu.used(self.cfg, x.device):
+                return self.down(fused_swiglu.swiglu(u))
+            a, b = u.chunk(2, dim=-1)
             return self.down(F.silu(a) * b)
         dtype = compute_dtype(x)
         if self.training and torch.is_grad_enabled() and fused_gelu.used(self.cfg, x.device, dtype):

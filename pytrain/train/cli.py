@@ -97,6 +97,7 @@ def _main(argv: list[str] | None) -> int:
 
         cache = cfg.compile.cache_dir or f"{cfg.out_dir}/{cfg.name}/inductor-cache"
         apply_safe_env(cache, cudagraphs=cfg.compile.mode == "reduce-overhead")
+    from pytrain.model import fused_swiglu
     from pytrain.train.guard import TrainingStopped
     from pytrain.train.report import final_report
     from pytrain.train.trainer import Trainer
@@ -109,10 +110,11 @@ def _main(argv: list[str] | None) -> int:
         from pytrain.train.sources import keep_tokenizer
 
         keep_tokenizer(trainer.run_dir, trainer.train_path)
+    swiglu_fused = fused_swiglu.used(trainer.gpt.cfg, trainer.device)
     trainer.say(
         f"device {trainer.device} | precision {trainer.precision.name} | attention {trainer.attention} | "
         f"output layer {'fp8' if trainer.gpt.uses_float8_head(trainer.device) else 'bf16'} | "
-        f"mlp {trainer.gpt.cfg.mlp}{', fused' if trainer.fused_gelu else ''} | "
+        f"mlp {trainer.gpt.cfg.mlp}{', fused' if trainer.fused_gelu or swiglu_fused else ''} | "
         f"params {trainer.gpt.num_params() / 1e6:.2f}M | world {trainer.dist.world_size} | "
         f"batch {cfg.data.batch_size}x{cfg.data.seq_len}x{cfg.optim.grad_accum} | run dir {trainer.run_dir}"
     )
