@@ -3,6 +3,7 @@ compile fallback, and a short end-to-end run."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
@@ -298,6 +299,10 @@ def test_profile_window_writes_a_trace_and_a_summary(small_corpus, tmp_path):
     summary = (out / "summary.json").read_text()
     assert (out / "trace.json").stat().st_size > 0
     assert '"steps": 2' in summary and (out / "summary.md").exists()
+    # The matmuls by shape: the model's linear layers, each with its FLOP rate.
+    matmuls = json.loads(summary)["matmuls"]
+    assert matmuls and all(m["calls"] > 0 and m["tflops"] > 0 for m in matmuls), matmuls
+    assert "| matmul | input shapes |" in (out / "summary.md").read_text()
     t.close()
     with pytest.raises(ValueError, match="profile_steps '3:1'"):
         Trainer(small_cfg(small_corpus, tmp_path / "b", "--profile_steps", "3:1"))

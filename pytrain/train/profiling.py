@@ -61,7 +61,44 @@ def kernel_summary(prof: torch.profiler.profile, steps: int, wall_s: float) -> d
             k: v / 1e3 / steps for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])
         },
         "top_kernels_ms": [(k[:120], v / 1e3 / steps) for k, v in top],
+        "matmuls": matmuls_by_shape(prof, steps),
     }
+
+
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_mm")
+
+
+def _matmul_flops(op: str, shapes: list) -> float:
+    """2 M N K (times the batch for bmm) from the op's input shapes, 0 where they are not
+    the usual ones (addmm's first input is the bias)."""
+    try:
+        a, b = shapes[1:3] if op == "aten::addmm" else shapes[:2]
+        if op == "aten::bmm":
+            return 2.0 * a[0] * a[1] * a[2] * b[2]
+        return 2.0 * a[0] * a[1] * b[1]
+    except (IndexError, TypeError, ValueError):
+        return 0.0
+
+
+def matmuls_by_shape(prof: torch.profiler.profile, steps: int, top: int = 12) -> list[dict]:
+    """The matmul ops grouped by their input shapes (the profiler records them): calls and
+    device ms per step and the TFLOP/s each shape reaches, the slowest in total first, so
+    a shape that runs far below the GPU's peak stands out. The CPU's time where there is no
+    device (tests)."""
+    rows = []
+    for evt in prof.key_averages(group_by_input_shape=True):
+        if evt.key not in MATMUL_OPS:
+            continue
+        us = (getattr(evt, "device_time_total", 0.0) or 0.0) or evt.cpu_time_total
+        flops = _matmul_flops(evt.key, evt.input_shapes) * evt.count
+        rows.append({
+            "op": evt.key.removeprefix("aten::"),
+            "shapes": str([list(x) for x in evt.input_shapes if x][:3]),
+            "calls": evt.count / steps,
+            "ms": us / 1e3 / steps,
+            "tflops": flops / (us * 1e-6) / 1e12 if us > 0 else 0.0,
+        })  # fmt: skip
+    return sorted(rows, key=lambda r: -r["ms"])[:top]
 
 
 def _is_kernel(evt, name: str) -> bool:
@@ -128,6 +165,13 @@ def format_summary(s: dict) -> str:
         "|---|---|",
         *(f"| `{k}` | {v:.3f} |" for k, v in s["top_kernels_ms"]),
         "",
+        "| matmul | input shapes | calls per step | ms per step | TFLOP/s |",
+        "|---|---|---|---|---|",
+        *(
+            f"| {m['op']} | {m['shapes']} | {m['calls']:g} | {m['ms']:.3f} | {m['tflops']:.3g} |"
+            for m in s.get("matmuls", [])
+        ),  # fmt: skip
+        "",
         "| idle gap after | before | ms per step | gaps |",
         "|---|---|---|---|",
         *(f"| `{a}` | `{b}` | {ms:.3f} | {n} |" for a, b, ms, n in gaps.get("pairs", [])),
@@ -168,7 +212,8 @@ class StepProfiler:
         if self.device.type == "cuda":
             acts.append(torch.profiler.ProfilerActivity.CUDA)
             torch.cuda.synchronize(self.device)
-        prof = torch.profiler.profile(activities=acts)
+        # Shapes: the summary's matmul table groups the matmuls by them.
+        prof = torch.profiler.profile(activities=acts, record_shapes=True)
         prof.__enter__()
         self.prof = prof
         self.t0 = time.perf_counter()
