@@ -205,6 +205,8 @@ class StepLog:
                 f"tok/s {tok_s:,.0f} step_ms {dt * 1e3:.1f} data_wait_ms {fed.wait_s * 1e3:.2f} "
                 f"feed_ms {fed.host_s * 1e3:.2f}" + (f" mfu {mfu:.1%}" if mfu else "")
             )
+            if self.device.type == "cuda":  # what the caching allocator holds: what must fit
+                line += f" reserved_gib {torch.cuda.max_memory_reserved(self.device) / 2**30:.2f}"
             self.log.text(line)
             self._window = (0, 0.0, 0)
 
