@@ -102,7 +102,7 @@ def _swiglu_triton(u: torch.Tensor) -> torch.Tensor:
 def _swiglu_backward_triton(u: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     m, hidden = _rows(u)
     gm = g.contiguous().view(-1, hidden)
-    du = torch.empty_like(m)
+    du = m.new_empty(m.shape)
     grid = (m.shape[0], triton.cdiv(hidden, BLOCK))
     _swiglu_backward_kernel[grid](m, gm, du, hidden, BLOCK=BLOCK)
     return du.view(u.shape)
@@ -129,7 +129,7 @@ def _swiglu_backward(u: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 @_swiglu_backward.register_fake
 def _(u, g):
-    return torch.empty_like(u)
+    return u.new_empty(u.shape)  # contiguous, as both paths return it
 
 
 def _setup_context(ctx, inputs, output):
