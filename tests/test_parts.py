@@ -148,6 +148,26 @@ def test_the_partition_is_contiguous_complete_and_balanced():
     assert partition(items, 3) == partition(list(items), 3)  # a pure function
 
 
+def test_parts_packed_in_one_process_share_one_warm_encoder(
+    corpus, bpe_tokenizer_file, single, tmp_path
+):
+    """A process that packs several parts (as a Ray worker runs its tasks) builds the
+    tokenizer's encoder once and keeps its cache warm across them; the ids are the same."""
+    from pytrain.data import shards
+    from pytrain.data.inputs import BadInputs, ReadOptions
+    from pytrain.data.parts import merge, pack_part
+
+    out = tmp_path / "ds"
+    opts = shards.PackOptions(tokenizer=str(bpe_tokenizer_file), shard_mib=0.05, frame_mib=0.01)
+    shards.warm_encoder.cache_clear()
+    for i in range(3):
+        pack_part([str(corpus)], out, i, 3, opts, ReadOptions(), BadInputs())
+    info = shards.warm_encoder.cache_info()
+    assert (info.misses, info.hits) == (1, 2), info
+    merge(out)
+    assert documents(out) == documents(single)
+
+
 def test_ray_tasks_on_a_local_cluster_pack_the_parts(corpus, bpe_tokenizer_file, single, tmp_path):
     """The same parts as Ray tasks (`ray.init(num_cpus=2)`), each calling pack_part."""
     ray = pytest.importorskip("ray")

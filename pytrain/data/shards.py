@@ -7,6 +7,7 @@ overlap (see `encoded_batches`), so packing runs at the tokenizer's own speed.""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import queue
@@ -279,11 +280,21 @@ def encoded_batches(
                 f.cancel()
 
 
+@functools.lru_cache(maxsize=2)
+def warm_encoder(tokenizer_json: str, eos: int | None, bos: int | None) -> _loader.Encoder:
+    """One encoder per tokenizer for the whole process, so that its BPE cache (words
+    already split) stays warm from one pack to the next. A process that packs several
+    parts one after the other (a Ray worker's tasks) otherwise starts each part cold: on
+    Python sources that cost about 0.5 CPU-seconds a part, as much as 16 parts' other
+    overheads together (BENCHMARKS.md, "What a part costs"). The cache changes no id."""
+    return _loader.Encoder(tokenizer_json, eos, bos)
+
+
 def _encoder(tok, info: TokenizerInfo, opts: PackOptions) -> Callable[[list], TokenBatch]:
     eos = info.eos_id if opts.append_eos else None
     bos = info.bos_id if opts.prepend_bos else None
     try:
-        encoder = _loader.Encoder(tok.to_str(), eos, bos)
+        encoder = warm_encoder(tok.to_str(), eos, bos)
     except ValueError as e:  # a tokenizer.json newer than the tokenizers crate built in
         raise TokenizerError(
             f"{info.name}: the tokenizers library built into pytrain cannot read it ({e}); "
