@@ -3,8 +3,8 @@ token ids, the same model size and tokens per optimizer step, the same wall-cloc
 evaluated by one procedure on the same held-out tokens.
 
     python scripts/time_to_quality.py prepare --work W --tokenizer gpt2.json
-    python scripts/time_to_quality.py run {nanogpt,adamw,muon,adamw-unfused} --work W [--nanogpt PEER]
-    python scripts/time_to_quality.py eval {nanogpt,adamw,muon,adamw-unfused} --work W [--nanogpt PEER]
+    python scripts/time_to_quality.py run {nanogpt,adamw,muon,adamw-unfused,adamw-plain} --work W [--nanogpt PEER]
+    python scripts/time_to_quality.py eval {nanogpt,adamw,muon,adamw-unfused,adamw-plain} --work W [--nanogpt PEER]
     python scripts/time_to_quality.py report --results DIR --png curves.png
 
 prepare: the Python sources installed on this machine (scripts/realtext.py; every 50th file
@@ -59,6 +59,9 @@ NAMES = {
     # The preset with its GELU unfused (--model.fused_gelu off): whether the cuBLASLt
     # epilogues change the loss reached in the same time (BENCHMARKS.md, sixth session).
     "adamw-unfused": "ours, AdamW, GELU unfused",
+    # Neither the FP8 output layer nor the fused GELU: plain bf16 matmuls, the reference
+    # against which the preset's two shortcuts must not cost loss at equal steps (issue 33).
+    "adamw-plain": "ours, AdamW, bf16 output layer, GELU unfused",
 }
 
 
@@ -130,8 +133,10 @@ def run(which: str, work: Path, peer: Path, budget: float, extra: list[str]) -> 
             # Keller Jordan's GPT-2 speedrun settings for Muon (record 3): Muon at 0.02 for
             # the blocks, AdamW at 0.0036 for the (tied) embedding.
             cmd += ["--optim.name", "muon", "--optim.muon_lr", "0.02", "--optim.lr", "0.0036"]
-        if which == "adamw-unfused":
+        if which in ("adamw-unfused", "adamw-plain"):
             cmd += ["--model.fused_gelu", "off"]
+        if which == "adamw-plain":
+            cmd += ["--model.float8_head", "off"]
         cwd = ROOT
     cmd += extra
     log = open(out / "stdout.log", "w")
