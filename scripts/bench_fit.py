@@ -68,9 +68,12 @@ def run_policy(args, data: Path, policy: str) -> dict:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
         train_log = run_dir / "train.log"
         done = re.compile(rf"\bstep {args.steps} loss ")  # lines start with a timestamp
+        timed_out = False
         while proc.poll() is None:
             time.sleep(2)
-            if train_log.exists() and done.search(train_log.read_text()):
+            finished = train_log.exists() and done.search(train_log.read_text())
+            timed_out = not finished and time.perf_counter() - t0 > args.timeout
+            if finished or timed_out:
                 proc.send_signal(signal.SIGKILL)  # before the final checkpoint (see above)
                 proc.wait()
                 break
@@ -86,7 +89,14 @@ def run_policy(args, data: Path, policy: str) -> dict:
     if len(steps) < args.steps:
         oom = "out of memory" in output.lower()
         last = (output.strip().splitlines() or ["?"])[-1][:160]
-        return {"fits": False, "why": "out of memory" if oom else last, "wall_s": wall}
+        why = (
+            "out of memory"
+            if oom
+            else f"no step {args.steps} in {args.timeout:g} s"
+            if timed_out
+            else last
+        )
+        return {"fits": False, "why": why, "wall_s": wall}
     late = [x for x in steps if x[0] > args.steps // 3]
     peak = [float(g) for g in re.findall(r"reserved_gib ([\d.]+)", text)]
     return {
@@ -109,6 +119,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--accum", type=int, default=2, help="micro-batches per optimizer step")
     p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds a policy's run may take")
     p.add_argument("--flags", default="", help="more trainer flags for every run, one shell string")
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "pytrain-fit")
     args = p.parse_args()
