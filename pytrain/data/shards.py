@@ -283,10 +283,13 @@ def encoded_batches(
 @functools.lru_cache(maxsize=2)
 def warm_encoder(tokenizer_json: str, eos: int | None, bos: int | None) -> _loader.Encoder:
     """One encoder per tokenizer for the whole process, so that its BPE cache (words
-    already split) stays warm from one pack to the next. A process that packs several
-    parts one after the other (a Ray worker's tasks) otherwise starts each part cold: on
-    Python sources that cost about 0.5 CPU-seconds a part, as much as 16 parts' other
-    overheads together (BENCHMARKS.md, "What a part costs"). The cache changes no id."""
+    already split) stays warm from one pack to the next. The `tokenizers` crate keeps that
+    cache per thread and per BPE instance (a thread-local map keyed by the instance's id),
+    so a new encoder starts every thread's cache cold, and the old entries stay behind.
+    A process that packs several parts one after the other (a Ray worker's tasks) paid
+    that on every part: on Python sources about 0.5 CPU-seconds a part, as much as 16
+    parts' other overheads together (BENCHMARKS.md, "What a part costs"). The cache
+    changes no id."""
     return _loader.Encoder(tokenizer_json, eos, bos)
 
 
