@@ -33,6 +33,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pytrain.train.metrics import read_step_lines  # noqa: E402
 
 # The trainer in this process after capping its share of the GPU's memory. The cap needs
 # torch, and torch must come after the trainer's Inductor guards (they are read at import):
@@ -79,11 +82,7 @@ def run_policy(args, data: Path, policy: str) -> dict:
                 break
     wall = time.perf_counter() - t0
     text = train_log.read_text() if train_log.exists() else ""
-    steps = []  # (step, tokens/s, MFU % or None) of train.log's step lines
-    for number, line in re.findall(r"\bstep (\d+) loss (.*)$", text, re.M):
-        mfu = re.search(r" mfu ([\d.]+)%", line)
-        steps.append((int(number), float(re.search(r"tok/s ([\d,]+)", line)[1].replace(",", "")),
-                      float(mfu[1]) if mfu else None))  # fmt: skip
+    steps = read_step_lines(text)
     output = log_path.read_text()
     shutil.rmtree(run_dir, ignore_errors=True)
     if len(steps) < args.steps:
@@ -97,15 +96,16 @@ def run_policy(args, data: Path, policy: str) -> dict:
             else last
         )
         return {"fits": False, "why": why, "wall_s": wall}
-    late = [x for x in steps if x[0] > args.steps // 3]
-    peak = [float(g) for g in re.findall(r"reserved_gib ([\d.]+)", text)]
+    late = [x for x in steps if x["step"] > args.steps // 3]
+    mfu = [x["mfu"] for x in late if "mfu" in x]
+    peak = [x["reserved_gib"] for x in steps if "reserved_gib" in x]
     return {
         "fits": True,
-        "tokens_per_s": statistics.median(t for _, t, _ in late),
-        "mfu": statistics.median(m for *_, m in late if m) if any(m for *_, m in late) else None,
+        "tokens_per_s": statistics.median(x["tok/s"] for x in late),
+        "mfu": statistics.median(mfu) if mfu else None,
         "peak_gib": max(peak) if peak else None,
         "wall_s": wall,
-    }  # fmt: skip
+    }
 
 
 def main() -> int:
@@ -142,7 +142,7 @@ def main() -> int:
     print("|---|---|---|---|---|")
     for policy, r in results.items():
         if r["fits"]:
-            mfu = f"{r['mfu']:.1f}%" if r["mfu"] else "-"
+            mfu = f"{r['mfu']:.1%}" if r["mfu"] else "-"
             peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] else "-"
             print(f"| {policy} | yes | {r['tokens_per_s']:,.0f} | {mfu} | {peak} |")
         else:

@@ -145,6 +145,7 @@ def run_ours(
     """The preset on synthetic ids at Llama 3's vocabulary; with `text` (--quality), on that
     packed train and validation text, evaluated at the last step, with a short warm-up."""
     from pytrain import _loader
+    from pytrain.train.metrics import read_step_lines
 
     data = work / "syn128k"
     if text is not None:
@@ -166,14 +167,12 @@ def run_ours(
         shutil.rmtree(ckpt) if ckpt.is_dir() else ckpt.unlink()
     (work / f"{name}.log").write_text(r.stdout + r.stderr)
     log = work / "runs" / name / "train.log"
-    logged = (
-        re.findall(r"step (\d+) loss .* tok/s ([\d,]+)", log.read_text()) if log.exists() else []
-    )
+    logged = read_step_lines(log.read_text()) if log.exists() else []
     peak = re.search(r"\(([\d.]+) GiB reserved\)", r.stdout)
     if r.returncode or not logged:
         return {"error": (r.stderr.strip().splitlines() or ["?"])[-1][:200]}
     vals = re.findall(r"step \d+ val_loss ([\d.]+)", log.read_text())
-    return {"tokens_per_s": steady([(int(s), float(t.replace(",", ""))) for s, t in logged], steps),
+    return {"tokens_per_s": steady([(x["step"], x["tok/s"]) for x in logged], steps),
             "peak_gib": float(peak.group(1)) if peak else float("nan"),
             **({"val_loss": float(vals[-1])} if vals else {})}  # fmt: skip
 

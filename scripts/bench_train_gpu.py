@@ -29,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from pytrain.train.cli import read_fallbacks, read_start_line  # noqa: E402
+from pytrain.train.metrics import read_step_lines  # noqa: E402
 
 
 def synthetic_dataset(path: Path, docs: int) -> Path:
@@ -79,25 +80,17 @@ def run_ours(
         }
     log = (out / name / "train.log").read_text()
     # data_wait_ms: the loop blocked on the loader; feed_ms: all host time getting the
-    # step's batches (overlapping the device's queued work).
-    rows = [
-        (int(s), float(t.replace(",", "")), float(w), float(ms), float(f))
-        for s, t, ms, w, f in re.findall(
-            r"step (\d+) loss \S+ lr \S+ grad_norm \S+ tok/s ([\d,]+) step_ms ([\d.]+) data_wait_ms ([\d.]+) feed_ms ([\d.]+)",
-            log,
-        )
-    ]
-    steady = [r for r in rows if r[0] > min(50, steps // 3)]
-    # Median over the same steady steps as tokens/s (a single line is noisy).
-    mfu = [float(m) for s, m in re.findall(r"step (\d+) .* mfu ([\d.]+)%", log)
-           if int(s) > min(50, steps // 3)]  # fmt: skip
+    # step's batches (overlapping the device's queued work). Medians over the same steady
+    # steps (a single line is noisy).
+    steady = [x for x in read_step_lines(log) if x["step"] > min(50, steps // 3)]
+    mfu = [x["mfu"] for x in steady if "mfu" in x]
     return {
         "name": name,
-        "tokens_per_s": statistics.median(t for _, t, _, _, _ in steady),
-        "step_ms": statistics.median(ms for _, _, _, ms, _ in steady),
-        "data_wait_ms": statistics.median(w for _, _, w, _, _ in steady),
-        "feed_ms": statistics.median(f for *_, f in steady),
-        "mfu": statistics.median(mfu) / 100 if mfu else None,
+        "tokens_per_s": statistics.median(x["tok/s"] for x in steady),
+        "step_ms": statistics.median(x["step_ms"] for x in steady),
+        "data_wait_ms": statistics.median(x["data_wait_ms"] for x in steady),
+        "feed_ms": statistics.median(x["feed_ms"] for x in steady),
+        "mfu": statistics.median(mfu) if mfu else None,
         "wall_s": wall,
         "compile_line": next(
             (line for line in r.stdout.splitlines() if line.startswith("compile:")), ""

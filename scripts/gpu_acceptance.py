@@ -47,6 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from pytrain.train.cli import read_fallbacks, read_start_line  # noqa: E402
+from pytrain.train.metrics import read_step_lines  # noqa: E402
 
 PY = sys.executable
 TRAIN = [PY, "-m", "pytrain.train", "--no-progress"]
@@ -371,7 +372,7 @@ def row_llama(work: Path, preset: str) -> Row:
     train_twice(row, work, args, first=10, total=20)
     run_dir, hf = work / "runs" / row.name, work / f"{preset}-hf"
     log = (run_dir / "train.log").read_text() if (run_dir / "train.log").exists() else ""
-    speed = [float(t.replace(",", "")) for t in re.findall(r"tok/s ([\d,]+)", log)][-5:]
+    speed = [x["tok/s"] for x in read_step_lines(log)][-5:]
     peak = re.findall(r"peak GPU memory ([\d.]+) GB", (work / f"{row.name}-2.log").read_text())
     shutil.rmtree(hf, ignore_errors=True)
     rc, _ = run([PY, "-m", "pytrain.export", str(run_dir), str(hf)], work / f"{preset}-export.log")

@@ -426,6 +426,28 @@ def test_step_log_averages_throughput_over_the_window_between_lines(tmp_path):
     assert got == [1000, 500, 1998, 1000], got
 
 
+def test_step_lines_read_back_as_the_step_log_writes_them(tmp_path):
+    """read_step_lines, what the benchmark scripts parse train.log with, gets every field
+    of StepLog's lines (MFU as a fraction), and not the evaluation lines between them."""
+    from types import SimpleNamespace
+
+    from pytrain.train.metrics import RunLog, StepLog, read_step_lines
+
+    log = RunLog(tmp_path, True, False)
+    steps = StepLog(log, lambda *a: None, flops_token=2.0, peak=4000.0, world_size=1,
+                    log_every=1, progress=False, device=torch.device("cpu"))  # fmt: skip
+    r = SimpleNamespace(tokens=1000, loss=2.5, grad_norm=0.75, skipped=None)
+    steps.step(r, 1, 1.0, FeedTime(0.002, 0.003), 1e-3, 0, 0)
+    steps.eval(1, 3.25)
+    steps.step(r, 2, 0.5, FeedTime(0.0, 0.001), 2e-3, 0, 0)
+    log.close()
+    rows = read_step_lines((tmp_path / "train.log").read_text())
+    assert [x["step"] for x in rows] == [1, 2]
+    assert rows[0] == {"step": 1, "loss": 2.5, "lr": 1e-3, "grad_norm": 0.75, "tok/s": 1000.0,
+                       "step_ms": 1000.0, "data_wait_ms": 2.0, "feed_ms": 3.0, "mfu": 0.5}  # fmt: skip
+    assert rows[1]["tok/s"] == 2000.0 and rows[1]["mfu"] == 1.0
+
+
 def test_resume_with_other_batch_settings_names_them_and_the_flags(small_corpus, tmp_path):
     """A checkpoint's loader position belongs to the batches its settings cut: resuming
     with other ones is refused with the settings named and the flags that resume it."""

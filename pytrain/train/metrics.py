@@ -7,6 +7,7 @@ the GPU (table below); MFU is not reported where the peak is unknown (e.g. CPU).
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -122,6 +123,26 @@ class CpuClock:
             f"{text} over {wall:.2f}s of training = {(loader or 0.0) / wall:.3f} cores; "
             f"process CPU {process:.2f}s = {process / wall:.3f} cores"
         )
+
+
+STEP_LINE = re.compile(r"\bstep (\d+) (loss .*)$", re.M)
+
+
+def read_step_lines(text: str) -> list[dict[str, float]]:
+    """train.log's step lines, as `StepLog.step` writes them, for the scripts that read
+    them back: {"step": n, "loss": ..., "lr": ..., "grad_norm": ..., "tok/s": ...,
+    "step_ms": ..., "data_wait_ms": ..., "feed_ms": ..., "mfu": a fraction, "reserved_gib":
+    ...}; a field a line does not have (mfu off a GPU) is absent. Evaluation and skip lines
+    are not step lines."""
+    rows = []
+    for number, rest in STEP_LINE.findall(text):
+        words = rest.split()
+        row: dict[str, float] = {"step": int(number)}
+        for key, value in zip(words[::2], words[1::2], strict=False):
+            v = float(value.rstrip("%").replace(",", ""))
+            row[key] = v / 100 if value.endswith("%") else v
+        rows.append(row)
+    return rows
 
 
 class StepLog:
