@@ -12,7 +12,14 @@ of W workers confines every process of each column to the same first W x k of th
 (--cpus; on a VM whose CPUs may be hyperthreads, pick one CPU a core if the host's layout
 is known). Wall time includes the merge. Linear is W times one pack-shards process on k
 CPUs (the first row); the goal is Ray at >= 0.9 of it up to 8 workers. A table is printed
-last."""
+last.
+
+    PYTHONPATH=$PWD python scripts/bench_pack_parts.py --in-process 1,16 [--mb 40 --files 16]
+
+instead packs the corpus as 1, then 16 parts one after the other in this one process, as
+a Ray worker runs its tasks (no Ray), and prints each count's wall and CPU seconds, with the
+process's warm encoder and with a new one per part: what a part costs beyond its tokens
+(BENCHMARKS.md, "What a part costs")."""
 
 from __future__ import annotations
 
@@ -76,6 +83,34 @@ def pinned(cpus: list[int]):
     return lambda: os.sched_setaffinity(0, cpus)
 
 
+def parts_in_one_process(work: Path, raw: Path, tok: str, mb: float, counts: list[int]) -> int:
+    """Each count of parts packed one after the other here, as one Ray worker packs its
+    tasks: wall and CPU seconds (all threads of this process), with the process's warm
+    encoder (as shipped) and with a cold one for every part (as before
+    `pytrain.data.shards.warm_encoder`), side by side."""
+    from pytrain.data import shards
+    from pytrain.data.inputs import BadInputs, ReadOptions
+    from pytrain.data.parts import pack_part
+
+    print(f"\n{mb:.0f} MB of JSONL, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d')}\n")
+    print("| parts | encoder | wall s | CPU s | cores busy |\n|---|---|---|---|---|")
+    for n in counts:
+        for cold in (False, True):
+            out = work / f"inproc-{n}"
+            shutil.rmtree(out, ignore_errors=True)
+            shards.warm_encoder.cache_clear()
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            for i in range(n):
+                if cold:
+                    shards.warm_encoder.cache_clear()
+                opts = shards.PackOptions(tokenizer=tok)
+                pack_part([str(raw)], out, i, n, opts, ReadOptions(), BadInputs())
+            wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+            how = "new one per part" if cold else "warm (shipped)"
+            print(f"| {n} | {how} | {wall:.2f} | {cpu:.2f} | {cpu / wall:.2f} |", flush=True)
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -87,9 +122,9 @@ def main() -> int:
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "pytrain-bench-parts")
     p.add_argument("--cpus", default=None,
                    help="the CPUs to use, as taskset lists them (e.g. 0-15 or 0,2,4); default: all this process may use")  # fmt: skip
+    p.add_argument("--in-process", default=None,
+                   help="part counts to pack one after the other in this process (e.g. 1,16), no Ray")  # fmt: skip
     args = p.parse_args()
-    import ray
-
     from pytrain.data.corpus import build_default
 
     work = args.work
@@ -98,6 +133,12 @@ def main() -> int:
     tok = str(build_default()[0].parent / "tokenizer.json")
     raw = corpus(work, args.mb, args.files)
     mb = sum(f.stat().st_size for f in raw.iterdir()) / 1e6
+    if args.in_process:
+        return parts_in_one_process(
+            work, raw, tok, mb, [int(n) for n in args.in_process.split(",")]
+        )
+    import ray
+
     k = args.cores_per_worker
     everyone = sorted(os.sched_getaffinity(0))
     cpus = cpu_list(args.cpus) if args.cpus else everyone
