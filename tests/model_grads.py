@@ -6,11 +6,15 @@ import torch
 from pytrain.model.gpt import GPT, ModelConfig
 
 
-def loss_and_grads(**model) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def loss_and_grads(
+    checkpoint_every: int = 0, **model
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """A 2-layer GPT (seed 0, vocabulary 200, d_model 32) with the `model` settings, one
-    batch of 2 x 16 tokens with about a fifth masked out of the loss (seed 1)."""
+    batch of 2 x 16 tokens with about a fifth masked out of the loss (seed 1); with
+    `checkpoint_every`, blocks recompute their activations in the backward."""
     torch.manual_seed(0)
     m = GPT(ModelConfig(vocab_size=200, n_layer=2, n_head=2, d_model=32, **model)).train()
+    m.set_activation_checkpointing(checkpoint_every)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 200, (2, 16), generator=g)
     targets = torch.randint(0, 200, (2, 16), generator=g)

@@ -60,6 +60,18 @@ def test_gpt_loss_and_gradients_are_the_same_fused_or_not(monkeypatch):
     assert_same_loss_and_grads(out["on"], out["off"])
 
 
+def test_fused_swiglu_under_activation_checkpointing(monkeypatch):
+    """The Llama presets recompute blocks (llama-3b: full) with the fused op on: the
+    recomputed forward goes through the op again, and loss and gradients equal the model's
+    without checkpointing and without the op."""
+    calls = []
+    real = fused_swiglu.swiglu
+    monkeypatch.setattr(fused_swiglu, "swiglu", lambda u: calls.append(1) or real(u))
+    got = loss_and_grads(checkpoint_every=1, mlp="swiglu", fused_swiglu="on")
+    assert len(calls) == 4  # two layers, each run in the forward and again in the backward
+    assert_same_loss_and_grads(got, loss_and_grads(mlp="swiglu", fused_swiglu="off"))
+
+
 def test_fused_swiglu_choices():
     """'auto' stays off on the CPU, 'on' needs a SwiGLU MLP, and evaluation never uses it."""
     cpu = torch.device("cpu")
