@@ -302,7 +302,9 @@ def test_profile_window_writes_a_trace_and_a_summary(small_corpus, tmp_path):
     # The matmuls by shape: the model's linear layers, each with its FLOP rate.
     matmuls = json.loads(summary)["matmuls"]
     assert matmuls and all(m["calls"] > 0 and m["tflops"] > 0 for m in matmuls), matmuls
-    assert "| matmul | input shapes |" in (out / "summary.md").read_text()
+    # Forward and backward apart: the backward of x @ W.T multiplies by the (out, in) weight.
+    assert {m["pass"] for m in matmuls} == {"forward", "backward"}, matmuls
+    assert "| pass | matmul | input shapes |" in (out / "summary.md").read_text()
     t.close()
     with pytest.raises(ValueError, match="profile_steps '3:1'"):
         Trainer(small_cfg(small_corpus, tmp_path / "b", "--profile_steps", "3:1"))

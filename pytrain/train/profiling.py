@@ -80,24 +80,48 @@ def _matmul_flops(op: str, shapes: list) -> float:
         return 0.0
 
 
-def matmuls_by_shape(prof: torch.profiler.profile, steps: int, top: int = 12) -> list[dict]:
-    """The matmul ops grouped by their input shapes (the profiler records them): calls and
-    device ms per step and the TFLOP/s each shape reaches, the slowest in total first, so
-    a shape that runs far below the GPU's peak stands out. The CPU's time where there is no
-    device (tests)."""
-    rows = []
-    for evt in prof.key_averages(group_by_input_shape=True):
-        if evt.key not in MATMUL_OPS:
+def _pass(evt) -> str:
+    """'backward' for an op that autograd's engine ran (an ancestor is its
+    evaluate_function range, or a compiled graph's backward), else 'forward'. The engine's
+    own thread would not tell on the CPU, where it runs backward on the caller's thread."""
+    parent = evt.cpu_parent
+    while parent is not None:
+        if (
+            parent.name.startswith("autograd::engine::evaluate_function")
+            or "Backward" in parent.name
+        ):
+            return "backward"
+        parent = parent.cpu_parent
+    return "forward"
+
+
+def matmuls_by_shape(prof: torch.profiler.profile, steps: int, top: int = 16) -> list[dict]:
+    """The matmul ops grouped by pass (forward or backward) and input shapes (the profiler
+    records them): calls and device ms per step and the TFLOP/s each reaches, the slowest in
+    total first, so a shape that runs far below the GPU's peak stands out, and the same
+    shape's forward and backward can be told apart. The CPU's time where there is no device
+    (tests)."""
+    groups: dict[tuple, list] = {}
+    for evt in prof.events():
+        if evt.name not in MATMUL_OPS:
             continue
+        shapes = [list(x) for x in evt.input_shapes if x][:3]
         us = (getattr(evt, "device_time_total", 0.0) or 0.0) or evt.cpu_time_total
-        flops = _matmul_flops(evt.key, evt.input_shapes) * evt.count
-        rows.append({
-            "op": evt.key.removeprefix("aten::"),
-            "shapes": str([list(x) for x in evt.input_shapes if x][:3]),
-            "calls": evt.count / steps,
+        acc = groups.setdefault((_pass(evt), evt.name, str(shapes)), [0, 0.0, 0.0])
+        acc[0] += 1
+        acc[1] += us
+        acc[2] += _matmul_flops(evt.name, evt.input_shapes)
+    rows = [
+        {
+            "pass": phase,
+            "op": op.removeprefix("aten::"),
+            "shapes": shapes,
+            "calls": n / steps,
             "ms": us / 1e3 / steps,
             "tflops": flops / (us * 1e-6) / 1e12 if us > 0 else 0.0,
-        })  # fmt: skip
+        }
+        for (phase, op, shapes), (n, us, flops) in groups.items()
+    ]
     return sorted(rows, key=lambda r: -r["ms"])[:top]
 
 
@@ -165,10 +189,11 @@ def format_summary(s: dict) -> str:
         "|---|---|",
         *(f"| `{k}` | {v:.3f} |" for k, v in s["top_kernels_ms"]),
         "",
-        "| matmul | input shapes | calls per step | ms per step | TFLOP/s |",
-        "|---|---|---|---|---|",
+        "| pass | matmul | input shapes | calls per step | ms per step | TFLOP/s |",
+        "|---|---|---|---|---|---|",
         *(
-            f"| {m['op']} | {m['shapes']} | {m['calls']:g} | {m['ms']:.3f} | {m['tflops']:.3g} |"
+            f"| {m.get('pass', '-')} | {m['op']} | {m['shapes']} | {m['calls']:g} | {m['ms']:.3f} "
+            f"| {m['tflops']:.3g} |"
             for m in s.get("matmuls", [])
         ),  # fmt: skip
         "",
