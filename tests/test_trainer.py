@@ -310,6 +310,27 @@ def test_profile_window_writes_a_trace_and_a_summary(small_corpus, tmp_path):
         Trainer(small_cfg(small_corpus, tmp_path / "b", "--profile_steps", "3:1"))
 
 
+@pytest.mark.parametrize(
+    "kernel, want",
+    [  # names from the 1B model's profile on an H200
+        ("triton_red_fused__to_copy__unsafe_view_add_mean_mul_pow_rsqrt_5", "Inductor's kernels"),
+        ("triton_poi_fused_cat_view_5", "Inductor's kernels"),
+        ("_swiglu_backward_kernel", "hand-written Triton kernels"),
+        ("_adamw_kernel", "optimizer"),
+        ("_ce_grad_kernel", "cross-entropy / softmax"),
+        ("Memset (Device)", "copies / memset"),
+        ("nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NTN", "matmul"),
+        ("kernel_cutlass_kernel_flash_attncuteflash_bwd_sm90FlashAttentionBackwardSm90", "attention backward"),
+    ],
+)  # fmt: skip
+def test_profile_categories(kernel, want):
+    """An Inductor kernel is not a copy although its name holds `_to_copy` (the RMSNorm's
+    kernels were counted as copies before)."""
+    from pytrain.train.profiling import category
+
+    assert category(kernel).startswith(want)
+
+
 def test_fa4_without_its_gpu_is_a_clear_error():
     from pytrain.model.config import ModelConfig
     from pytrain.model.gpt import GPT

@@ -24,8 +24,12 @@ CATEGORIES = (
     ("matmul", r"gemm|nvjet|sm90_xmma|cutlass|cublas|wgmma|matmul|mm_"),
     ("optimizer", r"adam|foreach|multi_tensor|norm_kernel|fused_adam"),
     ("cross-entropy / softmax", r"log_softmax|nll_loss|cross_entropy|softmax|ce_grad"),
+    # Inductor's kernels (triton_poi_/triton_red_/triton_per_...) before the copies: their
+    # names list the fused ops, and nearly all of them hold a `_to_copy` (a dtype cast).
+    ("Inductor's kernels (norms, RoPE, elementwise)", r"^triton_"),
     ("copies / memset", r"memcpy|memset|copy|fill|cat_"),
-    ("generated elementwise / norms (triton)", r"^triton_|triton"),
+    # Triton kernels written by hand (pytrain.model.fused_swiglu, the gradient accumulation).
+    ("hand-written Triton kernels", r"^_\w+_kernel$"),
 )
 
 
