@@ -316,6 +316,12 @@ class TrainConfig:
     copies); off: the loop waits for the file."""
     resume: bool = True
     """Resume from the latest valid checkpoint in runs/<name>/ if there is one."""
+    init_from: str = ""
+    """Start a new run from these weights (continued pretraining): a Hugging Face directory
+    (LlamaForCausalLM, e.g. Meta's Llama 3.2, or ArceeForCausalLM; config.json and
+    safetensors, one file or sharded), or a pytrain run directory or checkpoint. The model's
+    shape comes from it (the preset's speed settings stay); optimizer and schedule start
+    fresh. A run that resumes from its own checkpoint continues from that instead."""
     activation_checkpointing: str = "off"
     """'off', 'full', or 'every-N' (every N-th block)."""
     fsdp: bool | None = None

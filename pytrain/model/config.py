@@ -6,7 +6,8 @@ import math
 from dataclasses import dataclass
 
 ARCHITECTURE = ("vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "mlp", "mlp_ratio",
-                "tie_embeddings", "rope_base", "rope_scaling", "rope_factor", "rope_original_len")  # fmt: skip
+                "tie_embeddings", "rope_base", "rope_scaling", "rope_factor", "rope_original_len",
+                "norm_eps")  # fmt: skip
 
 CHOICES = {
     "mlp": ("swiglu", "gelu"),
@@ -45,6 +46,9 @@ class ModelConfig:
     those under rope_original_len / 4 kept, a smooth blend between."""
     rope_factor: float = 32.0
     rope_original_len: int = 8192
+    norm_eps: float = 1e-6
+    """The RMSNorms' epsilon. Llama 3's checkpoints use 1e-5 (`--init_from` takes it from
+    their config.json)."""
     dropout: float = 0.0
     attention: str = "auto"
     """'auto', 'fa4', 'flex', 'sdpa_mask' or 'causal' (see pytrain.model.gpt's docstring)."""
@@ -73,7 +77,7 @@ class ModelConfig:
     """SwiGLU's activation as two ops whose backward writes the up projection's gradient in
     one pass (pytrain.model.fused_swiglu; Triton), in training: 'auto' (on CUDA with
     Triton), 'on', 'off'. Keeps the activation's output for backward: one (tokens x hidden)
-    tensor more per layer. Off until measured on a GPU against Inductor's own kernels."""
+    tensor more per layer. The Llama presets set 'auto' (BENCHMARKS.md, "Seventh session")."""
     float8: str = "off"
     """FP8 matmuls for the blocks' linear layers in training, through torchao (optional
     extra `float8`; GPUs with FP8: Ada, Hopper, Blackwell): 'off', 'tensorwise' or

@@ -211,9 +211,9 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.norm1 = RMSNorm(cfg.d_model)
+        self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg)
-        self.norm2 = RMSNorm(cfg.d_model)
+        self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None = None):
@@ -229,7 +229,7 @@ class GPT(nn.Module):
         self.vocab = 64 * math.ceil(cfg.vocab_size / 64)
         self.embed = nn.Embedding(self.vocab, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.norm = RMSNorm(cfg.d_model)
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, self.vocab, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight

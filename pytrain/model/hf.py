@@ -5,10 +5,12 @@ import here (the trainer never needs it); pytrain.export writes the directory.
     mlp="swiglu" -> LlamaForCausalLM  (RMSNorm, rotary, SwiGLU, no biases)
     mlp="gelu"   -> ArceeForCausalLM  (Llama with a plain up/down MLP; hidden_act "gelu")
 
-Both: pre-norm RMSNorm (eps 1e-6), rotary on the first/second halves of each head
+Both: pre-norm RMSNorm (model.norm_eps), rotary on the first/second halves of each head
 (Llama's rotate_half), no biases, a final RMSNorm, tied or untied output layer, the
 vocabulary as the model pads it (a multiple of 64; ids past the tokenizer are never
-produced by it)."""
+produced by it). `from_hf` reads such a directory back, whether pytrain or someone else
+wrote it (Meta's Llama 3.x checkpoints included), and refuses the variants our GPT does not
+compute (biases, another head size or activation, other RoPE scaling) by name."""
 
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ import torch
 from pytrain.model.config import ModelConfig
 
 ARCHITECTURES = {"swiglu": ("llama", "LlamaForCausalLM"), "gelu": ("arcee", "ArceeForCausalLM")}
-RMS_EPS = 1e-6
+LLAMA3_FREQ_FACTORS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
+"""Llama 3.1's RoPE scaling as pytrain computes it (those of every Llama 3.x checkpoint)."""
 
 
 class NotExportable(ValueError):
@@ -37,8 +40,8 @@ def hf_config(cfg: ModelConfig, vocab: int, eos_id: int | None, bos_id: int | No
     hidden = cfg.mlp_hidden
     rope: dict = {"rope_type": "default", "rope_theta": cfg.rope_base}
     if cfg.rope_scaling == "llama3":
-        rope.update(rope_type="llama3", factor=cfg.rope_factor, low_freq_factor=1.0,
-                    high_freq_factor=4.0, original_max_position_embeddings=cfg.rope_original_len)  # fmt: skip
+        rope.update(rope_type="llama3", factor=cfg.rope_factor, **LLAMA3_FREQ_FACTORS,
+                    original_max_position_embeddings=cfg.rope_original_len)  # fmt: skip
     out = {
         "architectures": [arch],
         "model_type": model_type,
@@ -51,7 +54,7 @@ def hf_config(cfg: ModelConfig, vocab: int, eos_id: int | None, bos_id: int | No
         "head_dim": cfg.head_dim,
         "hidden_act": "silu" if cfg.mlp == "swiglu" else "gelu",
         "max_position_embeddings": cfg.max_seq_len,
-        "rms_norm_eps": RMS_EPS,
+        "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_base,
         "rope_parameters": rope,
         "rope_scaling": None if cfg.rope_scaling == "none" else rope,  # transformers 4's key
@@ -93,28 +96,53 @@ def to_hf(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.T
 
 
 def from_hf(config: dict, weights: dict[str, torch.Tensor]) -> tuple[ModelConfig, dict]:
-    """A Hugging Face directory written by pytrain.export -> (ModelConfig, state dict)."""
+    """A Hugging Face directory's config.json and weights -> (ModelConfig, state dict):
+    one written by pytrain.export, or a Llama/Arcee checkpoint from elsewhere. NotExportable
+    names the first setting our GPT does not compute."""
     arch = (config.get("architectures") or ["?"])[0]
     mlp = {v[1]: k for k, v in ARCHITECTURES.items()}.get(arch)
     if mlp is None:
         raise NotExportable(
-            f"{arch} is not a class pytrain exports ({', '.join(v[1] for v in ARCHITECTURES.values())})"
+            f"{arch} is not a class pytrain reads ({', '.join(v[1] for v in ARCHITECTURES.values())})"
         )
     d, n_layer = config["hidden_size"], config["num_hidden_layers"]
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     n_head = config["num_attention_heads"]
     kv = config.get("num_key_value_heads") or n_head
+    unsupported = {
+        "attention_bias": (config.get("attention_bias", False), False),
+        "mlp_bias": (config.get("mlp_bias", False), False),
+        "head_dim": (config.get("head_dim") or d // n_head, d // n_head),
+        "hidden_act": (config.get("hidden_act"), "silu" if mlp == "swiglu" else "gelu"),
+    }
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "llama3":
+        for k, v in LLAMA3_FREQ_FACTORS.items():
+            unsupported[f"rope {k}"] = (rope.get(k, v), v)
+    elif rope_type != "default":
+        unsupported["rope_type"] = (rope_type, "default or llama3")
+    if config["vocab_size"] % 64:  # ours pads it: the extra logits would change the loss
+        unsupported["vocab_size"] = (config["vocab_size"], "a multiple of 64")
+    for key, (got, ours) in unsupported.items():
+        if got != ours:
+            raise NotExportable(f"{arch} with {key} {got!r}: pytrain's GPT computes {ours!r}")
     cfg = ModelConfig(
         vocab_size=config["vocab_size"], n_layer=n_layer, n_head=n_head,
         n_kv_head=0 if kv == n_head else kv, d_model=d, mlp=mlp,
         tie_embeddings=config.get("tie_word_embeddings", True),
         rope_base=config.get("rope_theta") or rope.get("rope_theta", 10000.0),
         max_seq_len=config["max_position_embeddings"],
+        norm_eps=config.get("rms_norm_eps", 1e-6),
     )  # fmt: skip
-    if rope.get("rope_type", rope.get("type")) == "llama3":
+    if rope_type == "llama3":
         cfg.rope_scaling, cfg.rope_factor = "llama3", rope["factor"]
         cfg.rope_original_len = rope["original_max_position_embeddings"]
     cfg.mlp_ratio = config["intermediate_size"] / d / (2 / 3 if mlp == "swiglu" else 1)
+    if cfg.mlp_hidden != config["intermediate_size"]:
+        raise NotExportable(
+            f"{arch} with intermediate_size {config['intermediate_size']}: pytrain's MLP widths "
+            "are multiples of 64"
+        )
     state = {
         "embed.weight": weights["model.embed_tokens.weight"],
         "norm.weight": weights["model.norm.weight"],

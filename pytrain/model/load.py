@@ -1,6 +1,7 @@
 """A trained model from where a run left it: a run directory (its newest valid
-checkpoint), a checkpoint file, or a Hugging Face directory written by pytrain.export;
-with the training configuration and the dataset's tokenizer when there are any."""
+checkpoint), a checkpoint file, or a Hugging Face directory (written by pytrain.export, or
+a Llama checkpoint from elsewhere: config.json and safetensors, one file or sharded); with
+the training configuration and the dataset's tokenizer when there are any."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ import torch
 from pytrain.config import REMOTE_SCHEMES, ConfigError, DataConfig
 from pytrain.model.config import ModelConfig
 from pytrain.model.gpt import GPT
-from pytrain.model.hf import from_hf, strip_prefixes
+from pytrain.model.hf import NotExportable, from_hf, strip_prefixes
+
+SAFETENSORS = ("model.safetensors", "model.safetensors.index.json")
+"""A Hugging Face directory's weights: one file, or the index of its shards."""
 
 
 @dataclass
@@ -30,7 +34,7 @@ class Loaded:
 
 def load(path: str | Path, device: str | torch.device = "cpu") -> Loaded:
     p = Path(path)
-    if (p / "config.json").is_file() and (p / "model.safetensors").is_file():
+    if (p / "config.json").is_file():
         return _load_hf(p, device)
     if p.is_dir() and not (p / "state.pt").is_file():  # a run directory (not one checkpoint's)
         from pytrain.train.checkpoint import load_latest
@@ -92,11 +96,43 @@ def dataset_of(data: dict) -> Path | str | None:
     return Path(first) if first and (Path(first) / "manifest.json").is_file() else None
 
 
-def _load_hf(p: Path, device) -> Loaded:
+def hf_weights(p: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json, every tensor) of a Hugging Face directory. Only safetensors: a
+    pytorch_model.bin is a pickle, which can run code as it loads."""
     from safetensors.torch import load_file
 
     config = json.loads((p / "config.json").read_text())
-    cfg, state = from_hf(config, load_file(str(p / "model.safetensors")))
+    if (p / SAFETENSORS[0]).is_file():
+        return config, load_file(str(p / SAFETENSORS[0]))
+    if not (p / SAFETENSORS[1]).is_file():
+        raise ConfigError(
+            f"{p}: no {' or '.join(SAFETENSORS)} beside config.json (weights are read from "
+            "safetensors only; a .bin file is a pickle, which can run code)"
+        )
+    shards = sorted(set(json.loads((p / SAFETENSORS[1]).read_text())["weight_map"].values()))
+    weights: dict[str, torch.Tensor] = {}
+    for name in shards:
+        if not (p / name).is_file():
+            raise ConfigError(f"{p}: {name}, a shard its {SAFETENSORS[1]} names, is missing")
+        weights.update(load_file(str(p / name)))
+    return config, weights
+
+
+def hf_model(p: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
+    """(ModelConfig, our state dict, config.json) of a Hugging Face directory; a class or
+    setting our GPT does not compute, or a missing tensor, is a ConfigError naming it."""
+    config, weights = hf_weights(p)
+    try:
+        cfg, state = from_hf(config, weights)
+    except NotExportable as e:
+        raise ConfigError(f"{p}: {e}") from None
+    except KeyError as e:
+        raise ConfigError(f"{p}: no tensor or setting {e} in it") from None
+    return cfg, state, config
+
+
+def _load_hf(p: Path, device) -> Loaded:
+    cfg, state, config = hf_model(p)
     gpt = GPT(cfg)
     gpt.load_state_dict(state)
     tok = p / "tokenizer.json"

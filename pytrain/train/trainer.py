@@ -15,7 +15,7 @@ import torch
 from pytrain.config import TrainConfig, derive_grad_accum
 from pytrain.data.batch import DeviceBatch, DeviceFeed, FeedTime, HostBatch
 from pytrain.model import flash4, float8, fused_gelu
-from pytrain.model.gpt import GPT, LossModule, checkpoint_every
+from pytrain.model.gpt import LossModule, checkpoint_every
 from pytrain.optim.build import build_optimizer, keeps_masters
 from pytrain.optim.schedule import lr_at
 from pytrain.optim.step import OptimizerStep
@@ -25,6 +25,7 @@ from pytrain.train import (
     compile_policy,
     disk,
     distributed,
+    initial_weights,
     parallel,
     run_lock,
     run_state,
@@ -117,11 +118,7 @@ class Trainer:
     def _build_model(self) -> None:
         cfg = self.cfg
         vocab = self.loader.dataset.vocab_size or 0  # from the manifest, via the extension
-        cfg.model.vocab_size = max(cfg.model.vocab_size, vocab)
-        cfg.model.max_seq_len = max(
-            cfg.model.max_seq_len, cfg.data.seq_len, max(cfg.data.bucket_lengths)
-        )
-        self.gpt = GPT(cfg.model).to(self.device)
+        self.gpt = initial_weights.build(cfg, vocab, self.say).to(self.device)
         if cfg.model.float8 != "off":
             n = float8.convert(self.gpt, cfg.model.float8, self.device)
             self.say(f"float8 ({cfg.model.float8}, torchao): {n} linear layers of the blocks")

@@ -1,0 +1,61 @@
+"""The model a new run starts from: a random initialisation of the configured shape, or
+with `--init_from` weights someone else made (continued pretraining of a Llama 3.x
+checkpoint, or of another pytrain run).
+
+The source decides what the weights compute (ModelConfig's ARCHITECTURE fields: shape,
+RoPE, norms, tied embeddings, vocabulary); the preset and the command line keep deciding
+how it runs (attention kernel, fused ops, float8, activation checkpointing). The dataset must
+have been packed with the model's tokenizer: ids at or past the model's vocabulary are
+refused here, before a step, rather than read past the embedding."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pytrain.config import ConfigError, TrainConfig
+from pytrain.model.config import ARCHITECTURE, ModelConfig
+from pytrain.model.gpt import GPT
+from pytrain.model.hf import strip_prefixes
+from pytrain.model.load import hf_model, load
+
+
+def source(path: str, model: ModelConfig, data_vocab: int, say) -> dict[str, torch.Tensor]:
+    """The source's weights (our state dict's names, on the CPU); sets `model`'s
+    architecture to the source's. ConfigError for a source that is not there or not a model
+    we compute, and for a dataset whose vocabulary the model does not cover."""
+    p = Path(path)
+    if (p / "config.json").is_file():  # a Hugging Face directory
+        cfg, state, _ = hf_model(p)
+        what = f"{p.name} (Hugging Face)"
+    else:
+        loaded = load(p)
+        cfg, state = loaded.gpt.cfg, strip_prefixes(loaded.gpt.state_dict())
+        what = f"{loaded.source} (step {loaded.step})"
+    if data_vocab > cfg.vocab_size:
+        raise ConfigError(
+            f"--init_from {path}: the dataset's vocabulary ({data_vocab}) is larger than the "
+            f"model's ({cfg.vocab_size}); pack the data with the model's tokenizer"
+        )
+    for key in ARCHITECTURE:
+        setattr(model, key, getattr(cfg, key))
+    n = sum(t.numel() for k, t in state.items() if not (k == "head.weight" and cfg.tie_embeddings))
+    say(f"weights from {what}: {n / 1e6:.2f}M parameters, {cfg.n_layer} layers, d_model "
+        f"{cfg.d_model}, {cfg.n_head} heads / {cfg.kv_heads} key-value, vocabulary {cfg.vocab_size}")  # fmt: skip
+    return state
+
+
+def build(cfg: TrainConfig, data_vocab: int, say) -> GPT:
+    """The run's GPT on the CPU: --init_from's architecture and weights where it is set,
+    else the configured shape, randomly initialised (the caller seeds it). The vocabulary
+    covers the dataset's ids, the RoPE table the longest row the loader makes."""
+    start = source(cfg.init_from, cfg.model, data_vocab, say) if cfg.init_from else None
+    cfg.model.vocab_size = max(cfg.model.vocab_size, data_vocab)
+    cfg.model.max_seq_len = max(
+        cfg.model.max_seq_len, cfg.data.seq_len, max(cfg.data.bucket_lengths)
+    )
+    gpt = GPT(cfg.model)
+    if start is not None:
+        gpt.load_state_dict(start)
+    return gpt
