@@ -19,8 +19,10 @@ repeated runs of one preset would):
   pack        `pack-shards` on real text (Python sources as JSONL) with a real tokenizer
               file, then training on it with evaluation
   llama-350m, llama-1b, llama-3b  the Llama presets, shortened: evaluation, a checkpoint,
-              the resume, and the export, whose LlamaForCausalLM gives our logits; tokens/s
-              and peak memory in the note (1B and 3B need an 80 GB GPU; 3B ~110 GB of disk)
+              the resume, and the export, whose LlamaForCausalLM gives our logits, then
+              3 steps of a new run `--init_from` the export (continued pretraining: its
+              first loss is the trained model's); tokens/s and peak memory in the note
+              (1B and 3B need an 80 GB GPU; 3B ~110 GB of disk)
 
 Every row checks the exit codes, that validation losses were logged, that the second
 invocation resumed and continued the step count, and that nothing went non-finite. The
@@ -360,7 +362,8 @@ def row_llama(work: Path, preset: str) -> Row:
     """configs/<preset>.toml as shipped, shortened (the embedded default's data and
     tokenizer, so a vocabulary of 4096; 2 micro-batches a step): evaluation, a
     checkpoint, the resume, then `python -m pytrain.export` of the run, loaded by
-    transformers as LlamaForCausalLM with logits equal to ours. The note has the steady
+    transformers as LlamaForCausalLM with logits equal to ours, and a new run from that
+    export (`--init_from`, continued()). The note has the steady
     tokens/s and the peak GPU memory. Its checkpoints (with AdamW's state: ~16 GB at 1B,
     ~51 GB at 3B, and two exist while the last is written) are deleted at the end."""
     row = Row(preset, "")
@@ -383,6 +386,7 @@ def row_llama(work: Path, preset: str) -> Row:
         problems.append(f"export exit {rc}, logits check exit {rc2}")
     elif m.group(1) != "LlamaForCausalLM" or float(m.group(2)) > 1e-3:
         problems.append(f"export: {m.group(1)}, logits differ by {m.group(2)}")
+    problems += continued(work, preset, args, hf, row.train_loss)
     figures = (f"{sorted(speed)[len(speed) // 2]:,.0f} tok/s (median of the last {len(speed)} lines)"
                if speed else "no tok/s")  # fmt: skip
     figures += f", peak {peak[-1]} GB allocated" if peak else ""
@@ -395,7 +399,28 @@ def row_llama(work: Path, preset: str) -> Row:
     for ckpt in run_dir.glob("ckpt-*"):
         shutil.rmtree(ckpt) if ckpt.is_dir() else ckpt.unlink()
     shutil.rmtree(hf, ignore_errors=True)
+    shutil.rmtree(work / "runs" / f"{preset}-continued", ignore_errors=True)
     return row
+
+
+def continued(work: Path, preset: str, args: list[str], hf: Path, trained_loss: float) -> list[str]:
+    """Continued pretraining from the export (`--init_from`, the compiled GPU path): a new
+    run of 3 steps whose first loss is the trained model's, well below a random
+    initialisation's ln(vocabulary). Problems, as one-line strings."""
+    name = f"{preset}-continued"
+    shutil.rmtree(work / "runs" / name, ignore_errors=True)
+    cmd = [*TRAIN, *args, "--init_from", str(hf), "--out_dir", str(work / "runs"), "--name", name,
+           "--max_steps", "3", "--eval_every", "0", "--samples", "0", "--ckpt_every", "0"]  # fmt: skip
+    rc, out = run(cmd, work / f"{name}.log")
+    log = work / "runs" / name / "train.log"
+    first = read_step_lines(log.read_text())[:1] if log.exists() else []
+    vocab = json.loads((hf / "config.json").read_text())["vocab_size"] if hf.exists() else 0
+    if rc or "weights from" not in out or not first:
+        return [f"--init_from the export: exit {rc}"]
+    if not first[0]["loss"] < math.log(vocab) - 1.0:
+        return [f"--init_from the export: first loss {first[0]['loss']:.3f} (trained "
+                f"{trained_loss:.3f}, a random start ~{math.log(vocab):.2f})"]  # fmt: skip
+    return []
 
 
 ROWS = {
