@@ -158,3 +158,23 @@ def test_metas_llama_3_2_1b_config_reads_as_the_1b_preset():
     want = {**preset.architecture(), "vocab_size": 128256, "norm_eps": 1e-5}
     assert cfg.architecture() == want
     assert state["head.weight"] is state["embed.weight"]  # tied
+
+
+@pytest.mark.slow
+def test_fsdp2_ranks_start_from_the_source(small_corpus, tmp_path):
+    """Two gloo ranks under FSDP2 (torchrun): each shards the source's weights. One step at
+    a learning rate of 1e-12 leaves them as they were, so the run's export gives
+    transformers' logits of the source."""
+    from test_ddp import torchrun_train
+
+    from pytrain.export import export
+
+    hf, path = llama_dir(tmp_path)
+    torchrun_train(small_corpus, tmp_path, "fsdp", 29613, "--init_from", str(path),
+                   "--max_steps", "1", "--optim.lr", "1e-12", "--optim.warmup_steps", "0")  # fmt: skip
+    out = export(tmp_path / "runs" / "fsdp", tmp_path / "hf")
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(5))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        diff = (theirs(ids).logits - hf(ids).logits).abs().max().item()
+    assert diff < 1e-4, diff
