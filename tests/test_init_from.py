@@ -178,3 +178,23 @@ def test_fsdp2_ranks_start_from_the_source(small_corpus, tmp_path):
     with torch.no_grad():
         diff = (theirs(ids).logits - hf(ids).logits).abs().max().item()
     assert diff < 1e-4, diff
+
+
+def test_a_dataset_packed_with_another_tokenizer_gets_a_note(
+    small_corpus, tmp_path, bpe_tokenizer_file, capsys
+):
+    """The source's tokenizer.json against the dataset's manifest: the synthetic test corpus
+    names none of it (a note), a dataset packed with that very file matches (no note)."""
+    from pytrain.data.shards import PackOptions, pack
+    from pytrain.train.initial_weights import tokenizer_notes
+
+    _, path = llama_dir(tmp_path, vocab_size=1024)
+    (path / "tokenizer.json").write_bytes(bpe_tokenizer_file.read_bytes())
+    Trainer(small_cfg(small_corpus, tmp_path, "--init_from", str(path))).close()
+    out = capsys.readouterr().out
+    assert f"note: {small_corpus[0]} was packed with another tokenizer than {path}" in out, out
+    same = tmp_path / "same"
+    pack([("a", "def f(x):\n    return x + 1\n" * 50)], same,
+         PackOptions(tokenizer=str(bpe_tokenizer_file)))  # fmt: skip
+    assert tokenizer_notes(path / "tokenizer.json", (str(same),)) == []
+    assert len(tokenizer_notes(path / "tokenizer.json", (str(same), str(small_corpus[0])))) == 1

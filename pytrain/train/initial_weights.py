@@ -10,25 +10,34 @@ refused here, before a step, rather than read past the embedding."""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import torch
 
 from pytrain.config import ConfigError, TrainConfig
+from pytrain.data.shards import read_manifest
+from pytrain.data.tokenizer import for_packing, load_tokenizer
 from pytrain.model.config import ARCHITECTURE, ModelConfig
 from pytrain.model.gpt import GPT
 from pytrain.model.hf import strip_prefixes
 from pytrain.model.load import hf_model, load
 
 
-def source(path: str, model: ModelConfig, data_vocab: int, say) -> dict[str, torch.Tensor]:
+def source(
+    path: str, model: ModelConfig, data_vocab: int, say, datasets: tuple[str, ...] = ()
+) -> dict[str, torch.Tensor]:
     """The source's weights (our state dict's names, on the CPU); sets `model`'s
     architecture to the source's. ConfigError for a source that is not there or not a model
-    we compute, and for a dataset whose vocabulary the model does not cover."""
+    we compute, and for a dataset whose vocabulary the model does not cover; a note for a
+    dataset packed with another tokenizer than the source's tokenizer.json."""
     p = Path(path)
     if (p / "config.json").is_file():  # a Hugging Face directory
         cfg, state, _ = hf_model(p)
         what = f"{p.name} (Hugging Face)"
+        if (p / "tokenizer.json").is_file():
+            for note in tokenizer_notes(p / "tokenizer.json", datasets):
+                say(note)
     else:
         loaded = load(p)
         cfg, state = loaded.gpt.cfg, strip_prefixes(loaded.gpt.state_dict())
@@ -46,11 +55,37 @@ def source(path: str, model: ModelConfig, data_vocab: int, say) -> dict[str, tor
     return state
 
 
+def tokenizer_notes(tokenizer: Path, datasets: tuple[str, ...]) -> list[str]:
+    """One line for each dataset whose manifest names another tokenizer than `tokenizer`
+    (the hash pack-shards records: of the file's settings as packing uses them). Ids
+    mean what the packing tokenizer says, so the model would read other words than it
+    learned. A note, not an error: the same tokenizer saved by another version of
+    `tokenizers` may hash differently."""
+    tok, _ = load_tokenizer(tokenizer)
+    for_packing(tok)
+    ours = hashlib.sha256(tok.to_str().encode()).hexdigest()
+    notes = []
+    for d in datasets:
+        try:
+            theirs = read_manifest(d).get("tokenizer", {}).get("sha256")
+        except (FileNotFoundError, OSError, ValueError):
+            continue  # the loader reports a dataset it cannot read
+        if theirs and theirs != ours:
+            notes.append(
+                f"note: {d} was packed with another tokenizer than {tokenizer} (settings hash "
+                f"{theirs[:12]} against {ours[:12]}): check that it is the model's"
+            )
+    return notes
+
+
 def build(cfg: TrainConfig, data_vocab: int, say) -> GPT:
     """The run's GPT on the CPU: --init_from's architecture and weights where it is set,
     else the configured shape, randomly initialised (the caller seeds it). The vocabulary
     covers the dataset's ids, the RoPE table the longest row the loader makes."""
-    start = source(cfg.init_from, cfg.model, data_vocab, say) if cfg.init_from else None
+    datasets = tuple(cfg.data.mixture()[0].values()) if cfg.data.mix else (cfg.data.path,)
+    start = None
+    if cfg.init_from:
+        start = source(cfg.init_from, cfg.model, data_vocab, say, tuple(d for d in datasets if d))
     cfg.model.vocab_size = max(cfg.model.vocab_size, data_vocab)
     cfg.model.max_seq_len = max(
         cfg.model.max_seq_len, cfg.data.seq_len, max(cfg.data.bucket_lengths)
