@@ -71,6 +71,15 @@ def test_a_transformers_llama_starts_the_run_with_its_logits(small_corpus, tmp_p
     t.gpt.train()
     t.fit()
     t.close()
+    # Exported again after training: Llama's settings (eps 1e-5 included) and our logits.
+    from pytrain.export import export
+
+    out = export(tmp_path / "runs" / "t", tmp_path / "again")
+    assert json.loads((out / "config.json").read_text())["rms_norm_eps"] == 1e-5
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        diff = (back(ids).logits - load(tmp_path / "runs" / "t").gpt(ids)).abs().max().item()
+    assert diff < 1e-4, diff
     # Resuming that run continues from its own checkpoint, not from the source again.
     again = Trainer(small_cfg(small_corpus, tmp_path, "--init_from", str(path), "--max_steps", "4"))
     assert again.step == 3
