@@ -10,7 +10,9 @@ can set environment guards before torch is first imported."""
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import re
 import sys
 import types
 import typing
@@ -31,8 +33,17 @@ CHOICES = {
     "precision": ("auto", "bf16", "fp16", "fp32"),
     "compile.mode": ("auto", *COMPILE_LEVELS),
     "data.mode": ("pack", "bucket"),
+    "data.strategy": ("best_fit", "concat"),
+    "optim.schedule": ("cosine", "linear", "constant"),
+    "optim.master_weights": ("auto", "on", "off"),
 }
 """The training settings that take one of a few words (the model's: ModelConfig.check)."""
+
+FORMS = {
+    "device": (r"auto|cpu|cuda|cuda:\d+", "auto, cpu, cuda or cuda:N"),
+    "activation_checkpointing": (r"off|full|every-[1-9]\d*", "off, full or every-N (N >= 1)"),
+}
+"""The training settings written in a small form: the pattern, and the form in words."""
 
 TRUE_WORDS = {"1", "true", "yes", "on"}
 FALSE_WORDS = {"0", "false", "no", "off"}
@@ -536,15 +547,55 @@ def derive_grad_accum(cfg: TrainConfig, world_size: int) -> str | None:
 
 
 def check_choices(cfg: TrainConfig) -> None:
-    """ConfigError naming the first setting that is not one of its words."""
+    """ConfigError naming the first setting that is not one of its words or forms, before
+    anything is built or written."""
     for key, words in CHOICES.items():
         value = getattr(*_owner(cfg, key))
         if value not in words:
             raise ConfigError(f"{key} is {value!r}; expected one of {', '.join(words)}")
+    for key, (pattern, form) in FORMS.items():
+        value = getattr(*_owner(cfg, key))
+        if not re.fullmatch(pattern, value):
+            raise ConfigError(f"{key} is {value!r}; expected {form}")
+    inductor_options(cfg.compile.inductor)
+    profile_window(cfg.profile_steps)
     try:
         cfg.model.check()
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def profile_window(spec: str) -> tuple[int, int] | None:
+    """--profile_steps 'A:B' as (A, B), None where it is empty; ConfigError unless
+    0 <= A < B."""
+    if not spec:
+        return None
+    try:
+        a, b = (int(x) for x in spec.split(":"))
+    except ValueError:
+        raise ConfigError(f"profile_steps {spec!r} is not 'A:B' (two step numbers)") from None
+    if not 0 <= a < b:
+        raise ConfigError(f"profile_steps {spec!r}: need 0 <= A < B")
+    return a, b
+
+
+def inductor_options(spec: str) -> list[tuple[str, object]]:
+    """compile.inductor's 'name=value,...' as (name, value) pairs (values are Python
+    literals); ConfigError for an item that is not name=value or a value that is not a
+    literal. Whether this torch has each name is decided where they are set
+    (compile_policy.set_inductor_options)."""
+    out = []
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, sep, raw = item.partition("=")
+        if not sep or not name.strip():
+            raise ConfigError(f"compile.inductor: {item!r} is not name=value")
+        try:
+            out.append((name.strip(), ast.literal_eval(raw.strip())))
+        except (ValueError, SyntaxError):
+            raise ConfigError(
+                f"compile.inductor: value of {name.strip()!r} is not a literal: {raw.strip()!r}"
+            ) from None
+    return out
 
 
 def to_dict(cfg: TrainConfig) -> dict:

@@ -92,6 +92,16 @@ def test_embedded_default_trains_logs_checkpoints_and_resumes(tmp_path):
         (["--precision", "fp8"], "precision is 'fp8'; expected one of auto, bf16, fp16, fp32"),
         (["--compile.mode", "fast"], "compile.mode is 'fast'; expected one of auto, reduce-over"),
         (["--data.mode", "stream"], "data.mode is 'stream'; expected one of pack, bucket"),
+        # Each of these once ran (a typo of a schedule trained with cosine) or ended in a
+        # traceback from deep in the set-up.
+        (["--optim.schedule", "cosin"], "optim.schedule is 'cosin'; expected one of cosine"),
+        (["--optim.master_weights", "yes"], "optim.master_weights is 'yes'; expected one of"),
+        (["--data.strategy", "bestfit"], "data.strategy is 'bestfit'; expected one of best_fit"),
+        (["--device", "gpu"], "device is 'gpu'; expected auto, cpu, cuda or cuda:N"),
+        (["--activation_checkpointing", "every-x"], "activation_checkpointing is 'every-x'"),
+        (["--profile_steps", "3"], "profile_steps '3' is not 'A:B'"),
+        (["--profile_steps", "3:1"], "profile_steps '3:1': need 0 <= A < B"),
+        (["--compile.inductor", "bogus"], "compile.inductor: 'bogus' is not name=value"),
     ],
 )
 def test_user_errors_are_one_line_naming_the_path_or_key(tmp_path, small_corpus, args, named):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from pytrain.config import COMPILE_LEVELS
+from pytrain.config import COMPILE_LEVELS, inductor_options
 from pytrain.train import compile_cache, disk
 
 # Messages of failures that a lower compile level avoids.
@@ -145,34 +145,22 @@ def compiled_graphs() -> int:
 def set_inductor_options(spec: str) -> list[str]:
     """Sets Inductor config values from 'name=value,...' (values are Python literals, names
     are attributes of torch._inductor.config, dotted for its sub-configs such as
-    'triton.enable_pdl'). Returns what was done, one 'name=value' per option; an option
-    this torch version does not have is skipped and reported as such (a preset stays
-    usable on an older torch). Raises ValueError for an item that is not name=value or
-    a value that is not a literal."""
-    import ast
-
+    'triton.enable_pdl'; parsed by pytrain.config.inductor_options). Returns what was done,
+    one 'name=value' per option; an option this torch version does not have is skipped and
+    reported as such (a preset stays usable on an older torch)."""
     import torch._inductor.config as inductor_config
 
     applied = []
-    for item in filter(None, (part.strip() for part in spec.split(","))):
-        name, sep, raw = item.partition("=")
-        if not sep:
-            raise ValueError(f"compile.inductor: {item!r} is not name=value")
-        *path, leaf = name.strip().split(".")
+    for name, value in inductor_options(spec):
+        *path, leaf = name.split(".")
         owner: object = inductor_config
         for part in path:
             owner = getattr(owner, part, None)
-        try:
-            value = ast.literal_eval(raw.strip())
-        except (ValueError, SyntaxError) as e:
-            raise ValueError(
-                f"compile.inductor: value of {name!r} is not a literal: {raw!r}"
-            ) from e
         if owner is None or not hasattr(owner, leaf):
-            applied.append(f"{name.strip()} (not an option of torch {torch.__version__}; skipped)")
+            applied.append(f"{name} (not an option of torch {torch.__version__}; skipped)")
             continue
         setattr(owner, leaf, value)
-        applied.append(f"{name.strip()}={value!r}")
+        applied.append(f"{name}={value!r}")
     return applied
 
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from pytrain.config import profile_window
+
 # First match wins; names as CUDA, cuBLAS, cuDNN, FlashAttention and Triton report them.
 CATEGORIES = (
     ("communication (NCCL)", r"nccl|allreduce|all_reduce|reducescatter|allgather"),
@@ -217,17 +219,7 @@ class StepProfiler:
     trace.json and summary.{json,md} under `out`. Inactive for an empty spec."""
 
     def __init__(self, spec: str, out: Path, device: torch.device):
-        self.start = self.stop = -1
-        if spec:
-            try:
-                a, b = (int(x) for x in spec.split(":"))
-            except ValueError:
-                raise ValueError(
-                    f"profile_steps {spec!r} is not 'A:B' (two step numbers)"
-                ) from None
-            if not 0 <= a < b:
-                raise ValueError(f"profile_steps {spec!r}: need 0 <= A < B")
-            self.start, self.stop = a, b
+        self.start, self.stop = profile_window(spec) or (-1, -1)
         self.out, self.device, self.t0 = out, device, 0.0
         self.prof: torch.profiler.profile | None = None
         self.summary: dict | None = None
