@@ -34,7 +34,7 @@ CHOICES = {
     "compile.mode": ("auto", *COMPILE_LEVELS),
     "data.mode": ("pack", "bucket"),
     "data.strategy": ("best_fit", "concat"),
-    "optim.schedule": ("cosine", "linear", "constant"),
+    "optim.schedule": ("cosine", "linear", "constant", "wsd"),
     "optim.master_weights": ("auto", "on", "off"),
 }
 """The training settings that take one of a few words (the model's: ModelConfig.check)."""
@@ -251,7 +251,10 @@ class OptimConfig:
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
     schedule: str = "cosine"
-    """'cosine', 'linear' or 'constant' after warmup."""
+    """After warm-up: 'cosine', 'linear' or 'constant'; or 'wsd' (warm-up-stable-decay:
+    constant, then linear to lr x min_lr_ratio over the last decay_frac of max_steps)."""
+    decay_frac: float = 0.2
+    """optim.schedule=wsd: the share of max_steps that decays (0 < decay_frac <= 1)."""
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -559,6 +562,8 @@ def check_choices(cfg: TrainConfig) -> None:
             raise ConfigError(f"{key} is {value!r}; expected {form}")
     inductor_options(cfg.compile.inductor)
     profile_window(cfg.profile_steps)
+    if not 0 < cfg.optim.decay_frac <= 1:
+        raise ConfigError(f"optim.decay_frac is {cfg.optim.decay_frac}; expected 0 < it <= 1")
     try:
         cfg.model.check()
     except ValueError as e:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pytrain.config import parse_args
+from pytrain.config import ConfigError, parse_args
 from pytrain.data import DeviceBatch
 from pytrain.data.batch import FeedTime
 from pytrain.optim.schedule import lr_at
@@ -227,6 +227,19 @@ def test_lr_schedule_warms_up_and_decays():
     assert lr_at(9, cfg.optim, cfg.max_steps) == pytest.approx(1.0)
     assert lr_at(100, cfg.optim, cfg.max_steps) == pytest.approx(0.1)
     assert lr_at(55, cfg.optim, cfg.max_steps) == pytest.approx(0.55)
+
+
+def test_wsd_schedule_holds_then_decays_over_its_last_share():
+    cfg = parse_args(["--max_steps", "100", "--optim.warmup_steps", "10", "--optim.lr", "1.0",
+                      "--optim.min_lr_ratio", "0.0", "--optim.schedule", "wsd",
+                      "--optim.decay_frac", "0.2"])  # fmt: skip
+    lrs = [lr_at(s, cfg.optim, cfg.max_steps) for s in range(101)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(x == 1.0 for x in lrs[10:80])  # stable
+    assert lrs[90] == pytest.approx(0.5) and lrs[100] == pytest.approx(0.0)
+    assert all(a > b for a, b in zip(lrs[80:100], lrs[81:101], strict=True))  # decays
+    with pytest.raises(ConfigError, match="optim.decay_frac is 0.0"):
+        parse_args(["--optim.schedule", "wsd", "--optim.decay_frac", "0"])
 
 
 def test_compile_policy_avoids_known_bad_combinations(monkeypatch):
