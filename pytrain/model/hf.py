@@ -129,7 +129,8 @@ def from_hf(config: dict, weights: dict[str, torch.Tensor]) -> tuple[ModelConfig
     cfg = ModelConfig(
         vocab_size=config["vocab_size"], n_layer=n_layer, n_head=n_head,
         n_kv_head=0 if kv == n_head else kv, d_model=d, mlp=mlp,
-        tie_embeddings=config.get("tie_word_embeddings", True),
+        # Without the key (LlamaConfig's default is untied), the weights tell.
+        tie_embeddings=config.get("tie_word_embeddings", "lm_head.weight" not in weights),
         rope_base=config.get("rope_theta") or rope.get("rope_theta", 10000.0),
         max_seq_len=config["max_position_embeddings"],
         norm_eps=config.get("rms_norm_eps", 1e-6),
