@@ -89,7 +89,9 @@ def _matmul_flops(op: str, shapes: list) -> float:
 def _pass(evt) -> str:
     """'backward' for an op that autograd's engine ran (an ancestor is its
     evaluate_function range, or a compiled graph's backward), else 'forward'. The engine's
-    own thread would not tell on the CPU, where it runs backward on the caller's thread."""
+    own thread would not tell on the CPU, where it runs backward on the caller's thread.
+    Forwards recomputed by activation checkpointing run inside the backward, and count
+    there."""
     parent = evt.cpu_parent
     while parent is not None:
         if (
