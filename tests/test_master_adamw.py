@@ -9,6 +9,7 @@ import textwrap
 import pytest
 import torch
 
+from pytrain.config import ConfigError
 from pytrain.optim import adamw as optim
 from pytrain.optim.master_adamw import MasterAdamW
 from pytrain.train import checkpoint
@@ -19,7 +20,7 @@ from tests.triton_interpreter import assert_passes_in_interpreter
 SHAPES = [(40, 30), (3000,), (7,)]
 
 
-def setup(seed=0, use_triton=False):
+def setup(seed=0, use_triton=False, state_dtype=torch.float32):
     """bf16-exact initial values, so the masters and the fp32 reference start equal."""
     g = torch.Generator().manual_seed(seed)
     init = [torch.randn(s, generator=g).bfloat16().float() for s in SHAPES]
@@ -28,7 +29,9 @@ def setup(seed=0, use_triton=False):
         {"params": params[:2], "weight_decay": 0.1},
         {"params": params[2:], "weight_decay": 0.0},
     ]
-    opt = MasterAdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, use_triton=use_triton)
+    opt = MasterAdamW(
+        groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, use_triton=use_triton, state_dtype=state_dtype
+    )
     return params, init, opt
 
 
@@ -136,7 +139,7 @@ KERNEL_CHECK = textwrap.dedent(
     from pytrain.optim import adamw as optim
     runs = []
     for use_triton in (False, True):
-        params, _, opt = setup(use_triton=use_triton)
+        params, _, opt = setup(use_triton=use_triton, state_dtype=STATE)
         for step in range(4):
             micro = 2 if step == 1 else 1
             for _ in range(micro):
@@ -148,15 +151,39 @@ KERNEL_CHECK = textwrap.dedent(
         runs.append((opt.master.clone(), opt.exp_avg.clone(), opt.exp_avg_sq.clone(), opt.step_t.clone()))
         # The interpreter truncates to bf16 where the GPU rounds (tests/test_gpu.py: equal).
         torch.testing.assert_close(opt.flat_param, opt.master.bfloat16(), rtol=2**-7, atol=0)
+    assert runs[1][1].dtype == STATE
+    # bf16 moments: the interpreter truncates where torch rounds, one bf16 step apart.
+    tol = {"rtol": 1e-5, "atol": 1e-7} if STATE == torch.float32 else {"rtol": 2**-6, "atol": 2e-4}
     for a, b in zip(*runs):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(a.float(), b.float(), **tol)
     print("kernel ok")
     """
 )
 
 
-def test_triton_kernels_match_the_torch_path_in_the_interpreter():
-    assert_passes_in_interpreter(KERNEL_CHECK)
+@pytest.mark.parametrize("state", ["float32", "bfloat16"])
+def test_triton_kernels_match_the_torch_path_in_the_interpreter(state):
+    assert_passes_in_interpreter(f"import torch\nSTATE = torch.{state}\n" + KERNEL_CHECK)
+
+
+def test_bf16_moments_follow_fp32_moments():
+    """optim.state_dtype=bf16: the moments are stored in bf16 (half their memory), the
+    update computes in fp32; 30 steps move the masters as fp32 moments do, within a few
+    percent of the distance they travel."""
+    runs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        params, init, opt = setup(state_dtype=dtype)
+        for step in range(30):
+            for p, g in zip(params, step_grads(step), strict=True):
+                p.grad = g.clone()
+            optim.fused_step(opt, torch.tensor(False), opt.grad_norm(), 1.0)
+        assert opt.exp_avg.dtype == opt.exp_avg_sq.dtype == dtype
+        assert opt.state_dict()["exp_avg"].dtype == dtype
+        runs[dtype] = opt.master.clone()
+    start = torch.cat([x.flatten() for x in init])
+    travelled = (runs[torch.float32] - start).abs().max().item()
+    apart = (runs[torch.bfloat16] - runs[torch.float32]).abs().max().item()
+    assert travelled > 0.2 and apart < 0.03 * travelled, (travelled, apart)
 
 
 def test_trainer_with_master_weights_resumes_exactly_and_saves_fp32_weights(small_corpus, tmp_path):
@@ -179,6 +206,19 @@ def test_trainer_with_master_weights_resumes_exactly_and_saves_fp32_weights(smal
     ckpt = checkpoint.read(sorted((tmp_path / "b" / "runs" / "t").glob("ckpt-*.pt"))[-1])
     weights = [v for k, v in ckpt["model"].items() if k.endswith("weight")]
     assert weights and all(v.dtype == torch.float32 for v in weights)
+    # bf16 moments (optim.state_dtype): the same exact resume, the moments saved in bf16.
+    bf16 = (*extra, "--optim.state_dtype", "bf16")
+    losses = []
+    for where, more in (("c", ()), ("d", ("--halt_after", "5")), ("d", ())):
+        t = Trainer(small_cfg(small_corpus, tmp_path / where, *bf16, *more))
+        losses.append(t.fit()["losses"])
+        t.close()
+    assert losses[1] + losses[2] == losses[0]
+    saved = checkpoint.read(sorted((tmp_path / "d" / "runs" / "t").glob("ckpt-*.pt"))[-1])
+    assert saved["optimizer"]["exp_avg"].dtype == torch.bfloat16
+    # Without master weights there is nothing to keep bf16 moments beside: one line.
+    with pytest.raises(ConfigError, match="optim.state_dtype=bf16 keeps AdamW's moments"):
+        Trainer(small_cfg(small_corpus, tmp_path / "e", "--optim.state_dtype", "bf16"))
     # The optimizer state differs between the modes: resuming in the other one is refused.
     other = [a if a != "on" else "off" for a in extra]
     with pytest.raises(CheckpointMismatch, match="resume it with --optim.master_weights on"):

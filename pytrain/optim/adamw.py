@@ -49,7 +49,8 @@ def make_optimizer(
     ]
     betas = (o.beta1, o.beta2)
     if master:
-        return MasterAdamW(groups, lr=o.lr, betas=betas, dtype=torch.bfloat16)
+        state = {"fp32": torch.float32, "bf16": torch.bfloat16}[o.state_dtype]
+        return MasterAdamW(groups, lr=o.lr, betas=betas, dtype=torch.bfloat16, state_dtype=state)
     return torch.optim.AdamW(groups, lr=o.lr, betas=betas, fused=device.type == "cuda")
 
 

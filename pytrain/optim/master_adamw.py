@@ -77,8 +77,9 @@ if triton is not None:
         g = _grad_block(t, idx, at, keep, grad_addr_ptr, flat_grad_ptr, GRAD_DTYPE, FLAT)
         g = g / tl.load(scale_ptr)
         p = tl.load(master_ptr + at, mask=keep)
-        m = tl.load(exp_avg_ptr + at, mask=keep)
-        v = tl.load(exp_avg_sq_ptr + at, mask=keep)
+        # The moments in fp32 here whatever they are stored in (optim.state_dtype).
+        m = tl.load(exp_avg_ptr + at, mask=keep).to(tl.float32)
+        v = tl.load(exp_avg_sq_ptr + at, mask=keep).to(tl.float32)
         step = tl.load(step_ptr)
         bias1 = 1.0 - tl.exp2(step * log2_beta1)
         bias2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
@@ -87,8 +88,8 @@ if triton is not None:
         v = v * beta2 + (1.0 - beta2) * g * g
         p = p - (lr / bias1) * m / (tl.sqrt(v) / bias2_sqrt + eps)
         tl.store(master_ptr + at, p, mask=keep)
-        tl.store(exp_avg_ptr + at, m, mask=keep)
-        tl.store(exp_avg_sq_ptr + at, v, mask=keep)
+        tl.store(exp_avg_ptr + at, m.to(exp_avg_ptr.dtype.element_ty), mask=keep)
+        tl.store(exp_avg_sq_ptr + at, v.to(exp_avg_sq_ptr.dtype.element_ty), mask=keep)
         # Rounded to nearest even on the GPU, as torch rounds (Triton's interpreter
         # truncates instead; its test allows that).
         tl.store(param_ptr + at, p.to(param_ptr.dtype.element_ty), mask=keep)
@@ -128,6 +129,7 @@ class MasterAdamW:
         eps: float = 1e-8,
         dtype: torch.dtype = torch.bfloat16,
         use_triton: bool | None = None,
+        state_dtype: torch.dtype = torch.float32,
     ):
         self.param_groups = [dict(g, lr=lr) for g in groups]
         self.params = [p for g in self.param_groups for p in g["params"]]
@@ -148,8 +150,10 @@ class MasterAdamW:
             self.master[o : o + n].copy_(p.detach().flatten())
             self.flat_param[o : o + n].copy_(p.detach().flatten())
             p.data = self.flat_param[o : o + n].view_as(p)
-        self.exp_avg = torch.zeros_like(self.master)
-        self.exp_avg_sq = torch.zeros_like(self.master)
+        # The two moments: fp32, or bf16 (optim.state_dtype; DeepSeek-V3 trains so) to save
+        # 4 bytes a parameter. Either way the update computes in fp32 and rounds once.
+        self.exp_avg = torch.zeros_like(self.master, dtype=state_dtype)
+        self.exp_avg_sq = torch.zeros_like(self.master, dtype=state_dtype)
         self.step_t = torch.zeros((), dtype=torch.float32, device=device)
         # Stand-ins for grad_scale and found_inf when they are not given (no clip, no skip).
         self._one, self._zero = torch.ones((), device=device), torch.zeros((), device=device)
@@ -284,8 +288,9 @@ class MasterAdamW:
             sizes = torch.tensor(self._numels, device=self.master.device)
             self._decay_elems = self._tables["decay"].repeat_interleave(sizes)
         p = self.master * (1.0 - lr * self._decay_elems)
-        m = self.exp_avg + (1.0 - beta1) * (g - self.exp_avg)
-        v = self.exp_avg_sq * beta2 + (1.0 - beta2) * g * g
+        m0, v0 = self.exp_avg.float(), self.exp_avg_sq.float()
+        m = m0 + (1.0 - beta1) * (g - m0)
+        v = v0 * beta2 + (1.0 - beta2) * g * g
         p = p - (lr / bias1) * m / (v.sqrt() / bias2_sqrt + self.eps)
         keep = skip == 0
         for buf, new in ((self.master, p), (self.exp_avg, m), (self.exp_avg_sq, v)):

@@ -56,10 +56,10 @@ class Plan:
         return self.kind == "fsdp2"
 
 
-def state_bytes(model: torch.nn.Module, master: bool) -> int:
+def state_bytes(model: torch.nn.Module, master: bool, state_dtype: str = "fp32") -> int:
     """Bytes of parameters, gradients and AdamW moments: 2 + 4 (masters) + 4 (fp32 gradient
-    sums) + 8 with master weights, 4 + 4 + 8 with fp32 parameters."""
-    per_param = 18 if master else 16
+    sums) + 8 with master weights (4 with bf16 moments), 4 + 4 + 8 with fp32 parameters."""
+    per_param = (10 + (4 if state_dtype == "bf16" else 8)) if master else 16
     return per_param * sum(p.numel() for p in model.parameters())
 
 
