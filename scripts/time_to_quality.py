@@ -274,6 +274,30 @@ def evaluate(which: str, work: Path, peer: Path) -> None:
     (work / f"ttq-{which}.json").write_text(json.dumps(out, indent=1))
 
 
+def equal_steps(runs: dict, every: int = 100) -> str:
+    """The preset as shipped (adamw) against its variants without the FP8 output layer or
+    the fused GELU (adamw-plain, adamw-unfused) at the same steps: their validation losses
+    and the ratio shipped / variant (issue 33: the shortcuts must not cost loss). Every
+    `every` steps both have and the last one; empty where adamw or no variant ran."""
+    shipped = {p["step"]: p["val_loss"] for p in runs.get("adamw", {}).get("points", [])}
+    variants = [w for w in ("adamw-plain", "adamw-unfused") if w in runs]
+    if not shipped or not variants:
+        return ""
+    lines = ["", "at equal steps: the preset as shipped against " + ", ".join(
+        runs[w]["name"] for w in variants)]  # fmt: skip
+    lines.append("| step | " + " | ".join([runs["adamw"]["name"], *(
+        f"{runs[w]['name']} | shipped / it" for w in variants)]) + " |")  # fmt: skip
+    lines.append("|---" * (2 + 2 * len(variants)) + "|")
+    other = {w: {p["step"]: p["val_loss"] for p in runs[w]["points"]} for w in variants}
+    common = sorted(set(shipped).intersection(*other.values()))
+    for step in [s for s in common if s % every == 0 or s == common[-1]]:
+        cells = [f"{shipped[step]:.4f}"]
+        for w in variants:
+            cells += [f"{other[w][step]:.4f}", f"{shipped[step] / other[w][step]:.4f}"]
+        lines.append(f"| {step} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def crossing(points: list[dict], target: float) -> float | None:
     """Wall time at which the loss first reaches `target` (linear between snapshots)."""
     prev = None
@@ -310,6 +334,7 @@ def report(results: Path, png: Path | None) -> None:
         print(
             f"| {r['name']} | {len(pts)} | {pts[-1]['step']} | {pts[-1]['val_loss']:.4f} | {when} | {ratio} |"
         )
+    print(equal_steps(runs))
     if png:
         import matplotlib
 

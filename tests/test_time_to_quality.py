@@ -1,0 +1,40 @@
+"""scripts/time_to_quality.py's report arithmetic: when a run first reaches nanoGPT's final
+loss (between snapshots), and the preset against its variants at equal steps."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+spec = importlib.util.spec_from_file_location(
+    "time_to_quality", Path(__file__).resolve().parent.parent / "scripts" / "time_to_quality.py"
+)
+ttq = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(ttq)
+
+
+def run(name, points):
+    return {"name": name, "points": [{"step": s, "wall_s": w, "val_loss": v} for s, w, v in points]}
+
+
+def test_crossing_interpolates_between_snapshots():
+    pts = run("x", [(20, 10.0, 4.0), (40, 20.0, 3.0), (60, 30.0, 2.0)])["points"]
+    assert ttq.crossing(pts, 2.5) == pytest.approx(25.0)
+    assert ttq.crossing(pts, 5.0) == 10.0  # reached at the first snapshot
+    assert ttq.crossing(pts, 1.0) is None
+
+
+def test_equal_steps_pairs_the_shipped_preset_with_its_plain_variant():
+    runs = {
+        "adamw": run("shipped", [(20, 1, 5.0), (100, 5, 3.0), (200, 9, 2.5), (220, 10, 2.4)]),
+        "adamw-plain": run("plain", [(20, 1, 5.1), (100, 5, 3.03), (200, 9, 2.5), (220, 10, 2.2)]),
+    }
+    rows = [
+        r for r in ttq.equal_steps(runs).splitlines() if r.startswith("| 1") or r.startswith("| 2")
+    ]
+    assert rows == [
+        "| 100 | 3.0000 | 3.0300 | 0.9901 |",
+        "| 200 | 2.5000 | 2.5000 | 1.0000 |",
+        "| 220 | 2.4000 | 2.2000 | 1.0909 |",
+    ]
+    assert ttq.equal_steps({"adamw": runs["adamw"]}) == ""  # no variant ran
