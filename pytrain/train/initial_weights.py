@@ -5,8 +5,9 @@ checkpoint, or of another pytrain run).
 The source decides what the weights compute (ModelConfig's ARCHITECTURE fields: shape,
 RoPE, norms, tied embeddings, vocabulary); the preset and the command line keep deciding
 how it runs (attention kernel, fused ops, float8, activation checkpointing). The dataset must
-have been packed with the model's tokenizer: ids at or past the model's vocabulary are
-refused here, before a step, rather than read past the embedding."""
+have been packed with the model's tokenizer: a dataset whose vocabulary (its manifest's)
+is larger than the model's is refused here, before a step, rather than read past the
+embedding; one packed with another tokenizer file gets a note."""
 
 from __future__ import annotations
 
