@@ -41,7 +41,7 @@ CHOICES = {
 """The training settings that take one of a few words (the model's: ModelConfig.check)."""
 
 FORMS = {
-    "device": (r"auto|cpu|cuda|cuda:\d+", "auto, cpu, cuda or cuda:N"),
+    "device": (r"auto|cpu|mps|cuda|cuda:\d+", "auto, cpu, cuda, cuda:N or mps"),
     "activation_checkpointing": (r"off|full|every-[1-9]\d*", "off, full or every-N (N >= 1)"),
 }
 """The training settings written in a small form: the pattern, and the form in words."""
@@ -316,7 +316,7 @@ class TrainConfig:
     name: str = "default"
     out_dir: str = "runs"
     device: str = "auto"
-    """'auto' (cuda if available), 'cpu', 'cuda', 'cuda:N'."""
+    """'auto' (cuda if available), 'cpu', 'cuda', 'cuda:N' (or 'mps', untested)."""
     precision: str = "auto"
     """'auto' (bf16 on GPUs that have it, else fp16 on CUDA, fp32 on CPU), 'bf16', 'fp16', 'fp32'."""
     max_steps: int = 120

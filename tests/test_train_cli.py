@@ -97,7 +97,7 @@ def test_embedded_default_trains_logs_checkpoints_and_resumes(tmp_path):
         (["--optim.schedule", "cosin"], "optim.schedule is 'cosin'; expected one of cosine"),
         (["--optim.master_weights", "yes"], "optim.master_weights is 'yes'; expected one of"),
         (["--data.strategy", "bestfit"], "data.strategy is 'bestfit'; expected one of best_fit"),
-        (["--device", "gpu"], "device is 'gpu'; expected auto, cpu, cuda or cuda:N"),
+        (["--device", "gpu"], "device is 'gpu'; expected auto, cpu, cuda, cuda:N or mps"),
         (["--activation_checkpointing", "every-x"], "activation_checkpointing is 'every-x'"),
         (["--profile_steps", "3"], "profile_steps '3' is not 'A:B'"),
         (["--profile_steps", "3:1"], "profile_steps '3:1': need 0 <= A < B"),
