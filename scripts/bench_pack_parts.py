@@ -78,6 +78,25 @@ def cpu_list(spec: str) -> list[int]:
     return out
 
 
+def physical_cores(cpus: list[int]) -> str:
+    """How the kernel places `cpus` on physical cores (sysfs topology): "16 CPUs on 8
+    cores (2 threads a core)". On a VM this is the guest's view, which may hide how its
+    CPUs sit on the host's cores."""
+    cores = set()
+    for c in cpus:
+        topo = Path(f"/sys/devices/system/cpu/cpu{c}/topology")
+        try:
+            cores.add(
+                (
+                    (topo / "physical_package_id").read_text().strip(),
+                    (topo / "core_id").read_text().strip(),
+                )
+            )
+        except OSError:
+            return f"{len(cpus)} CPUs (no topology in sysfs)"
+    return f"{len(cpus)} CPUs on {len(cores)} cores ({len(cpus) / len(cores):g} threads a core)"
+
+
 def pinned(cpus: list[int]):
     """A preexec_fn that confines the child process to `cpus`."""
     return lambda: os.sched_setaffinity(0, cpus)
@@ -210,8 +229,9 @@ def main() -> int:
     # one worker). Not Ray's own first row: Ray's daemons share a row's CPUs, which costs
     # most where there are fewest, and would flatter Ray's scaling.
     one = rows[0][2] / rows[0][0]
-    print(f"\npack-shards on Ray workers, {time.strftime('%Y-%m-%d')}, CPUs {','.join(map(str, cpus[: rows[-1][1]]))} (of {os.cpu_count()}), {mb:.0f} MB of JSONL "
-          f"in {args.files} files, {k} cores a worker\n")  # fmt: skip
+    used = cpus[: rows[-1][1]]
+    print(f"\npack-shards on Ray workers, {time.strftime('%Y-%m-%d')}, CPUs {','.join(map(str, used))} (of {os.cpu_count()}; "
+          f"{physical_cores(used)}), {mb:.0f} MB of JSONL in {args.files} files, {k} cores a worker\n")  # fmt: skip
     print("| workers | cores | one pack-shards M tok/s | Ray workers M tok/s | independent processes M tok/s "
           "| Ray / one process | Ray / linear | independent / linear | Ray / independent |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
