@@ -10,7 +10,8 @@ directory that `transformers` loads offline with no custom code:
 
 Needs the `hf` extra (`pip install 'pytrain[hf]'`: transformers, safetensors). The class
 is chosen by pytrain.model.hf (SwiGLU -> Llama, GELU -> Arcee); a variant without one is
-refused with the list of exportable ones."""
+refused with the list of exportable ones. `--dtype bf16` writes the weights in bf16 (half
+the size: 2.5 GB instead of 5 at 1.2B parameters) instead of the checkpoint's fp32."""
 
 from __future__ import annotations
 
@@ -20,8 +21,12 @@ import shutil
 import sys
 from pathlib import Path
 
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+"""--dtype: the weights' dtype in model.safetensors, by its name in config.json."""
 
-def export(src: str | Path, out: str | Path) -> Path:
+
+def export(src: str | Path, out: str | Path, dtype: str = "fp32") -> Path:
+    import torch
     from safetensors.torch import save_file
 
     from pytrain.config import ConfigError
@@ -38,7 +43,12 @@ def export(src: str | Path, out: str | Path) -> Path:
     config = hf_config(cfg, gpt.vocab, tok.get("eos_id"), tok.get("bos_id"))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    weights = to_hf(cfg, gpt.state_dict())
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    config["torch_dtype"] = DTYPES[dtype]
+    weights = {
+        k: v.to(getattr(torch, DTYPES[dtype])) for k, v in to_hf(cfg, gpt.state_dict()).items()
+    }
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
@@ -61,12 +71,14 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("source", help="a run directory (its newest checkpoint) or a ckpt-*.pt file")
     p.add_argument("out", help="the directory to write")
+    p.add_argument("--dtype", default="fp32", choices=list(DTYPES),
+                   help="the weights' dtype in model.safetensors (default: fp32, as trained)")  # fmt: skip
     args = p.parse_args(argv)
     from pytrain._loader import LoaderError
     from pytrain.config import ConfigError
 
     try:
-        out = export(args.source, args.out)
+        out = export(args.source, args.out, args.dtype)
     except (ConfigError, LoaderError, ValueError) as e:
         print(f"pytrain.export: error: {e}", file=sys.stderr)
         return 2

@@ -176,3 +176,25 @@ def test_a_variant_without_a_transformers_class_is_refused_by_name():
     assert GPT(ModelConfig(n_layer=1, d_model=64, n_head=2)).vocab == 4096
     with pytest.raises(ValueError, match="model.mlp is 'relu2'; expected one of swiglu, gelu"):
         GPT(cfg)
+
+
+def test_export_in_bf16_halves_the_file_and_keeps_the_logits_close(text_datasets, tmp_path):
+    """`python -m pytrain.export --dtype bf16`: bf16 tensors, config.json says so, and
+    transformers' logits stay within bf16's rounding of ours; a wrong dtype is one line."""
+    from pytrain.export import main as export_main
+
+    train(text_datasets, tmp_path)
+    assert export_main([str(tmp_path / "run"), str(tmp_path / "fp32")]) == 0
+    assert export_main([str(tmp_path / "run"), str(tmp_path / "bf16"), "--dtype", "bf16"]) == 0
+    sizes = [(tmp_path / d / "model.safetensors").stat().st_size for d in ("fp32", "bf16")]
+    assert sizes[1] < 0.55 * sizes[0], sizes
+    config = (tmp_path / "bf16" / "config.json").read_text()
+    assert '"torch_dtype": "bfloat16"' in config
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").float().eval()
+    ours = load(tmp_path / "run").gpt
+    ids = torch.randint(0, 200, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = model(ids).logits, ours(ids)
+    assert (a - b).abs().max().item() < 0.05 * b.abs().max().item()
+    with pytest.raises(SystemExit):
+        export_main([str(tmp_path / "run"), str(tmp_path / "x"), "--dtype", "fp8"])
