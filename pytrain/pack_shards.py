@@ -352,13 +352,18 @@ def inspect_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     import numpy as np
 
+    from pytrain import _loader
     from pytrain.data.documents import doc_lengths
     from pytrain.data.shards import read_manifest
 
-    m = read_manifest(args.dataset)
-    tk = m["tokenizer"]
-    lens = doc_lengths(args.dataset)
-    t = m["totals"]
+    try:
+        m = read_manifest(args.dataset)
+        tk, t = m["tokenizer"], m["totals"]
+        lens = doc_lengths(args.dataset)
+    except (_loader.LoaderError, OSError, ValueError, KeyError) as e:
+        print(f"pack-shards inspect: error: {args.dataset}: not a readable dataset ({e})",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_INPUT
     print(f"dataset     {args.dataset}")
     print(
         f"tokenizer   {tk['name']} (vocab {tk['vocab_size']}, sha256 {(tk.get('sha256') or 'none')[:12]})"

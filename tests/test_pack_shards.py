@@ -258,3 +258,10 @@ def test_verify_catches_a_flipped_bit_and_inspect_plots(corpus, tmp_path):
     r = run_cli("verify", str(out))
     assert r.returncode == 4
     assert "shard-00000.tks frame 0" in r.stderr and "checksum" in r.stderr
+    # inspect of what is not a dataset: one line naming it, no traceback.
+    r = run_cli("inspect", str(tmp_path / "nowhere"))
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip() == (
+        f"pack-shards inspect: error: {tmp_path / 'nowhere'}: not a readable dataset "
+        f"({tmp_path / 'nowhere'}/manifest.json: no such file)"
+    )
