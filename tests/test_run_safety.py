@@ -419,3 +419,11 @@ def test_a_full_disk_is_named_in_a_compile_fallback_line(tmp_path):
         line = failure_line(e)
     assert line.startswith("DISK FULL") and "free" in line, line
     assert failure_line(RuntimeError("other")) == "RuntimeError: other"
+
+
+def test_a_file_torch_save_did_not_write_is_refused_in_one_line(tmp_path):
+    """A text file given as a checkpoint: named as such, not torch's advice on weights_only."""
+    bogus = tmp_path / "notes.txt"
+    bogus.write_text('{"text": "hello"}\n')
+    with pytest.raises(checkpoint.UnsafeCheckpoint, match="not a file torch.save wrote"):
+        checkpoint.read_file(bogus)

@@ -102,8 +102,11 @@ def read_file(path: Path) -> dict:
     except pickle.UnpicklingError as e:
         try:
             unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-        except Exception:  # not a zip at all: say what the unpickler said
-            unsafe = []
+        except Exception:  # not a zip at all: not a file torch.save wrote
+            raise UnsafeCheckpoint(
+                f"{path}: refused to load: not a file torch.save wrote, as a pytrain "
+                "checkpoint is (nothing in it was run)"
+            ) from None
         allowed = {f"{g.__module__}.{g.__qualname__}" for g in LEGACY_GLOBALS}
         named = [g for g in unsafe if g not in allowed]
         what = ", ".join(named) if named else str(e).splitlines()[0][:200]
