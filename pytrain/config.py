@@ -46,6 +46,21 @@ FORMS = {
 }
 """The training settings written in a small form: the pattern, and the form in words."""
 
+BOUNDS = {
+    "data.seq_len": (1, None),
+    "data.batch_size": (1, None),
+    "optim.warmup_steps": (0, None),
+    "optim.min_lr_ratio": (0, 1),
+    "optim.grad_clip": (0, None),
+    "optim.weight_decay": (0, None),
+    "keep_ckpts": (0, None),
+    "eval_every": (0, None),
+    "ckpt_every": (0, None),
+    "log_every": (1, None),
+}
+"""Numbers with a range (inclusive; None: open), checked where the command line is read.
+Positive-only ones (learning rates, betas below 1) are checked in check_choices."""
+
 TRUE_WORDS = {"1", "true", "yes", "on"}
 FALSE_WORDS = {"0", "false", "no", "off"}
 
@@ -330,6 +345,7 @@ class TrainConfig:
     log_every: int = 10
     ckpt_every: int = 60
     keep_ckpts: int = 3
+    """The newest checkpoints kept in the run directory; 0 keeps every one."""
     ckpt_async: bool = True
     """Write checkpoints on a background thread from a snapshot of the step (pinned host
     copies); off: the loop waits for the file."""
@@ -565,6 +581,32 @@ def check_choices(cfg: TrainConfig) -> None:
         value = getattr(*_owner(cfg, key))
         if not re.fullmatch(pattern, value):
             raise ConfigError(f"{key} is {value!r}; expected {form}")
+    for key, (low, high) in BOUNDS.items():
+        value = getattr(*_owner(cfg, key))
+        if value < low or (high is not None and value > high):
+            span = f">= {low}" if high is None else f"between {low} and {high}"
+            raise ConfigError(f"{key} is {value}; expected a number {span}")
+    o = cfg.optim
+    for key, value in (("optim.lr", o.lr), ("optim.muon_lr", o.muon_lr)):
+        if not value > 0:
+            raise ConfigError(f"{key} is {value}; expected a learning rate above 0")
+    for key, value in (("optim.beta1", o.beta1), ("optim.beta2", o.beta2)):
+        if not 0 <= value < 1:
+            raise ConfigError(f"{key} is {value}; expected 0 <= it < 1")
+    d = cfg.data
+    if d.stages:
+        stages = d.stage_list()  # its own form first
+        if not d.mix:
+            raise ConfigError(
+                "--data.stages sets a mixture's weights from a step on: it needs --data.mix"
+            )
+        names = d.mixture()[0]
+        for step, weights in stages:
+            if unknown := sorted(set(weights) - set(names)):
+                raise ConfigError(
+                    f"--data.stages at step {step}: no source {', '.join(map(repr, unknown))} "
+                    f"in --data.mix ({', '.join(names)})"
+                )
     inductor_options(cfg.compile.inductor)
     profile_window(cfg.profile_steps)
     if not 0 < cfg.optim.decay_frac <= 1:

@@ -102,6 +102,10 @@ def test_embedded_default_trains_logs_checkpoints_and_resumes(tmp_path):
         (["--profile_steps", "3"], "profile_steps '3' is not 'A:B'"),
         (["--profile_steps", "3:1"], "profile_steps '3:1': need 0 <= A < B"),
         (["--compile.inductor", "bogus"], "compile.inductor: 'bogus' is not name=value"),
+        (["--data.seq_len", "0"], "data.seq_len is 0; expected a number >= 1"),
+        (["--optim.lr", "-1"], "optim.lr is -1.0; expected a learning rate above 0"),
+        (["--model.d_model", "100", "--model.n_head", "4"], "= 25, an odd head size: RoPE"),
+        (["--data.stages", "1:a=0.5"], "--data.stages sets a mixture's weights from a step on"),
     ],
 )
 def test_user_errors_are_one_line_naming_the_path_or_key(tmp_path, small_corpus, args, named):

@@ -98,9 +98,18 @@ class ModelConfig:
                 raise ValueError(
                     f"model.{key} is {getattr(self, key)!r}; expected one of {', '.join(words)}"
                 )
+        if self.n_head < 1 or self.d_model < 1:
+            raise ValueError(
+                f"model.n_head {self.n_head} and model.d_model {self.d_model}: need >= 1"
+            )
         if self.d_model % self.n_head:
             raise ValueError(
                 f"model.d_model {self.d_model} is not a multiple of model.n_head {self.n_head}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(
+                f"model.d_model {self.d_model} / model.n_head {self.n_head} = {self.head_dim}, "
+                "an odd head size: RoPE rotates pairs of dimensions"
             )
         if self.n_kv_head < 0 or self.n_head % self.kv_heads:
             raise ValueError(
