@@ -404,6 +404,14 @@ def test_the_start_says_when_the_checkpoints_will_not_fit(tmp_path):
     opt = torch.optim.AdamW(model.parameters())
     params = 100 * 100 + 100
     assert disk.checkpoint_estimate(model, opt, fp32_weights=False) == params * 4 * 3
+    # MasterAdamW's moments exist from the start, in their dtype (optim.state_dtype).
+    from pytrain.optim.master_adamw import MasterAdamW
+
+    for state, moments in ((torch.float32, 8), (torch.bfloat16, 4)):
+        m = torch.nn.Linear(100, 100)
+        master = MasterAdamW([{"params": list(m.parameters()), "weight_decay": 0.0}], lr=1e-3,
+                             use_triton=False, state_dtype=state)  # fmt: skip
+        assert disk.checkpoint_estimate(m, master, fp32_weights=True) == params * (4 + moments)
 
 
 def test_a_full_disk_is_named_in_a_compile_fallback_line(tmp_path):

@@ -72,11 +72,12 @@ def state_bytes(obj) -> int:
 def checkpoint_estimate(model, optimizer, fp32_weights: bool) -> int:
     """Bytes one checkpoint of this run will take, known before the first step: the
     weights (fp32 where master weights are saved) and the optimizer state, measured where
-    it exists (a resumed run) and otherwise taken as Adam's two fp32 moments per
-    parameter (the largest of the optimizers here: Muon keeps one on its matrices)."""
+    it exists (a resumed run, or MasterAdamW, whose moments exist from the start in their
+    dtype) and otherwise taken as Adam's two fp32 moments per parameter (the largest of
+    the optimizers here: Muon keeps one on its matrices)."""
     params = sum(p.numel() for p in model.parameters())
     weights = params * 4 if fp32_weights else state_bytes(dict(model.state_dict()))
-    held = state_bytes(optimizer.state_dict().get("state", {}))
+    held = state_bytes(optimizer.state_dict())  # torch's: its "state", empty before a step
     return weights + (held if held else 2 * 4 * params)
 
 
