@@ -42,7 +42,6 @@ CHOICES = {
 
 FORMS = {
     "device": (r"auto|cpu|mps|cuda|cuda:\d+", "auto, cpu, cuda, cuda:N or mps"),
-    "activation_checkpointing": (r"off|full|every-[1-9]\d*", "off, full or every-N (N >= 1)"),
 }
 """The training settings written in a small form: the pattern, and the form in words."""
 
@@ -609,12 +608,25 @@ def check_choices(cfg: TrainConfig) -> None:
                 )
     inductor_options(cfg.compile.inductor)
     profile_window(cfg.profile_steps)
+    checkpoint_every(cfg.activation_checkpointing)
     if not 0 < cfg.optim.decay_frac <= 1:
         raise ConfigError(f"optim.decay_frac is {cfg.optim.decay_frac}; expected 0 < it <= 1")
     try:
         cfg.model.check()
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def checkpoint_every(spec: str) -> int:
+    """activation_checkpointing as the blocks' stride: 'off' 0, 'full' 1, 'every-N' N;
+    ConfigError for anything else."""
+    if spec in ("off", "full"):
+        return int(spec == "full")
+    if spec.startswith("every-") and spec[6:].isdigit() and int(spec[6:]) > 0:
+        return int(spec[6:])
+    raise ConfigError(
+        f"activation_checkpointing is {spec!r}; expected off, full or every-N (N >= 1)"
+    )
 
 
 def profile_window(spec: str) -> tuple[int, int] | None:

@@ -86,15 +86,12 @@ def run_policy(args, data: Path, policy: str) -> dict:
     output = log_path.read_text()
     shutil.rmtree(run_dir, ignore_errors=True)
     if len(steps) < args.steps:
-        oom = "out of memory" in output.lower()
-        last = (output.strip().splitlines() or ["?"])[-1][:160]
-        why = (
-            "out of memory"
-            if oom
-            else f"no step {args.steps} in {args.timeout:g} s"
-            if timed_out
-            else last
-        )
+        if "out of memory" in output.lower():
+            why = "out of memory"
+        elif timed_out:
+            why = f"no step {args.steps} in {args.timeout:g} s"
+        else:
+            why = (output.strip().splitlines() or ["?"])[-1][:160]
         return {"fits": False, "why": why, "wall_s": wall}
     late = [x for x in steps if x["step"] > args.steps // 3]
     mfu = [x["mfu"] for x in late if "mfu" in x]

@@ -290,6 +290,8 @@ def equal_steps(runs: dict, every: int = 100) -> str:
     lines.append("|---" * (2 + 2 * len(variants)) + "|")
     other = {w: {p["step"]: p["val_loss"] for p in runs[w]["points"]} for w in variants}
     common = sorted(set(shipped).intersection(*other.values()))
+    if not common:
+        return ""
     for step in [s for s in common if s % every == 0 or s == common[-1]]:
         cells = [f"{shipped[step]:.4f}"]
         for w in variants:

@@ -38,3 +38,5 @@ def test_equal_steps_pairs_the_shipped_preset_with_its_plain_variant():
         "| 220 | 2.4000 | 2.2000 | 1.0909 |",
     ]
     assert ttq.equal_steps({"adamw": runs["adamw"]}) == ""  # no variant ran
+    apart = {**runs, "adamw-plain": run("plain", [(40, 2, 4.0)])}
+    assert ttq.equal_steps(apart) == ""  # no step in common

@@ -396,13 +396,3 @@ class LossModule(nn.Module):
 
     def forward(self, input_ids, targets, position_ids, loss_mask, mask):
         return self.gpt.loss_sum(input_ids, targets, position_ids, loss_mask, mask)
-
-
-def checkpoint_every(spec: str) -> int:
-    if spec == "off":
-        return 0
-    if spec == "full":
-        return 1
-    if spec.startswith("every-") and spec[6:].isdigit() and int(spec[6:]) > 0:
-        return int(spec[6:])
-    raise ValueError(f"activation_checkpointing {spec!r} is not off, full or every-N")

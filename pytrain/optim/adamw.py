@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from pytrain.config import OptimConfig
-from pytrain.optim.master_adamw import MasterAdamW
+from pytrain.optim.master_adamw import STATE_DTYPES, MasterAdamW
 
 
 def use_master_weights(
@@ -49,7 +49,7 @@ def make_optimizer(
     ]
     betas = (o.beta1, o.beta2)
     if master:
-        state = {"fp32": torch.float32, "bf16": torch.bfloat16}[o.state_dtype]
+        state = STATE_DTYPES[o.state_dtype]
         return MasterAdamW(groups, lr=o.lr, betas=betas, dtype=torch.bfloat16, state_dtype=state)
     return torch.optim.AdamW(groups, lr=o.lr, betas=betas, fused=device.type == "cuda")
 

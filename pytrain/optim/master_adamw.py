@@ -111,6 +111,9 @@ if triton is not None:
 
 _TL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""optim.state_dtype: the dtype the two moments are stored in."""
+
 
 class MasterAdamW:
     """AdamW with fp32 master weights for parameters held in a lower precision.

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from pytrain.optim.master_adamw import STATE_DTYPES
 from pytrain.train.distributed import DistInfo
 
 AUTO_FSDP_SHARE = 0.25
@@ -59,7 +60,7 @@ class Plan:
 def state_bytes(model: torch.nn.Module, master: bool, state_dtype: str = "fp32") -> int:
     """Bytes of parameters, gradients and AdamW moments: 2 + 4 (masters) + 4 (fp32 gradient
     sums) + 8 with master weights (4 with bf16 moments), 4 + 4 + 8 with fp32 parameters."""
-    per_param = (10 + (4 if state_dtype == "bf16" else 8)) if master else 16
+    per_param = 10 + 2 * STATE_DTYPES[state_dtype].itemsize if master else 16
     return per_param * sum(p.numel() for p in model.parameters())
 
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pytrain.config import TrainConfig, derive_grad_accum
+from pytrain.config import TrainConfig, checkpoint_every, derive_grad_accum
 from pytrain.data.batch import DeviceBatch, DeviceFeed, FeedTime, HostBatch
 from pytrain.model import flash4, float8, fused_gelu
-from pytrain.model.gpt import LossModule, checkpoint_every
+from pytrain.model.gpt import LossModule
 from pytrain.optim.build import build_optimizer, keeps_masters
 from pytrain.optim.schedule import lr_at
 from pytrain.optim.step import OptimizerStep
