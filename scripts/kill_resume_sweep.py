@@ -56,26 +56,48 @@ def losses_by_step(log: Path) -> dict[int, str]:
 
 
 def kill_and_resume(
-    cmd: list[str], kills: int, seed: int, env: dict, run_dir: Path, window=(3.0, 6.0)
+    cmd: list[str],
+    kills: int,
+    seed: int,
+    env: dict,
+    run_dir: Path,
+    window=(3.0, 6.0),
+    in_writes: int = 0,
 ) -> tuple[int, int]:
     """Runs `cmd` to completion, SIGKILLing it `kills` times at random moments. Returns
-    (kills, kills that left a checkpoint write unfinished: a temporary file in run_dir)."""
+    (kills, kills that left a checkpoint write unfinished: a temporary file in run_dir).
+
+    The first `in_writes` kills wait, after their random moment, until a write is under
+    way (a temporary file exists), so that a test gets its kills inside writes however
+    slowly the machine starts the run (a busy CI host took longer than the window)."""
     rng = random.Random(seed)
     done = mid_write = 0
     while True:
         p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
         if done < kills:
             time.sleep(rng.uniform(*window))
+            if done < in_writes:
+                wait_for_write(p, run_dir)
             if p.poll() is None:
                 p.send_signal(signal.SIGKILL)
                 p.wait()
                 done += 1
-                mid_write += any(run_dir.glob(".ckpt-*.tmp-*"))
+                mid_write += any(run_dir.glob(f".ckpt-*.tmp-{p.pid}"))  # this process's
                 continue
         _, err = p.communicate(timeout=600)
         if p.returncode != 0:
             raise RuntimeError(err.decode()[-3000:])
         return done, mid_write
+
+
+def wait_for_write(p: subprocess.Popen, run_dir: Path, timeout: float = 60.0) -> None:
+    """Returns once process p writes a checkpoint (its temporary file exists in run_dir;
+    one a killed predecessor left does not count), or p ended, or `timeout` passed."""
+    end = time.monotonic() + timeout
+    while p.poll() is None and time.monotonic() < end:
+        if any(run_dir.glob(f".ckpt-*.tmp-{p.pid}")):
+            return
+        time.sleep(0.002)
 
 
 def same_final_params(a: Path, b: Path) -> bool:
