@@ -281,17 +281,15 @@ def equal_steps(runs: dict, every: int = 100) -> str:
     `every` steps both have and the last one; empty where adamw or no variant ran."""
     shipped = {p["step"]: p["val_loss"] for p in runs.get("adamw", {}).get("points", [])}
     variants = [w for w in ("adamw-plain", "adamw-unfused") if w in runs]
-    if not shipped or not variants:
+    other = {w: {p["step"]: p["val_loss"] for p in runs[w]["points"]} for w in variants}
+    common = sorted(set(shipped).intersection(*other.values())) if variants else []
+    if not common:
         return ""
     lines = ["", "at equal steps: the preset as shipped against " + ", ".join(
         runs[w]["name"] for w in variants)]  # fmt: skip
     lines.append("| step | " + " | ".join([runs["adamw"]["name"], *(
         f"{runs[w]['name']} | shipped / it" for w in variants)]) + " |")  # fmt: skip
     lines.append("|---" * (2 + 2 * len(variants)) + "|")
-    other = {w: {p["step"]: p["val_loss"] for p in runs[w]["points"]} for w in variants}
-    common = sorted(set(shipped).intersection(*other.values()))
-    if not common:
-        return ""
     for step in [s for s in common if s % every == 0 or s == common[-1]]:
         cells = [f"{shipped[step]:.4f}"]
         for w in variants:
@@ -336,7 +334,8 @@ def report(results: Path, png: Path | None) -> None:
         print(
             f"| {r['name']} | {len(pts)} | {pts[-1]['step']} | {pts[-1]['val_loss']:.4f} | {when} | {ratio} |"
         )
-    print(equal_steps(runs))
+    if table := equal_steps(runs):
+        print(table)
     if png:
         import matplotlib
 
