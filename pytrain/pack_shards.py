@@ -332,6 +332,11 @@ def verify_main(argv: list[str]) -> int:
     from pytrain import _loader
     from pytrain.data.shards import verify
 
+    if isinstance(args.dataset, Path) and not (args.dataset / "manifest.json").exists():
+        what = ("not a dataset made by pack-shards (no manifest.json in it)"
+                if args.dataset.is_dir() else "no such directory")  # fmt: skip
+        print(f"pack-shards verify: error: {args.dataset}: {what}", file=sys.stderr)
+        return EXIT_INPUT
     try:
         r = verify(args.dataset)
     except (_loader.LoaderError, OSError) as e:
@@ -504,6 +509,15 @@ def merge_main(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # stdout's reader left early (`pack-shards inspect ds | head`)
+        # Point stdout at /dev/null so that the flush at exit does not fail a second time.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13  # as a process killed by SIGPIPE, the shell's convention
+
+
+def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "import":
         return import_main(argv[1:])

@@ -461,6 +461,28 @@ def test_cli_run_with_evaluation_checkpoints_and_resume(tmp_path=None):
     assert "recompile(s) after warm-up" not in outs[0].stdout + outs[1].stdout
 
 
+@needs_cuda
+def test_a_micro_batch_too_large_for_the_gpu_ends_in_one_line(tmp_path=None):
+    """256 rows of 2048 tokens at d_model 8192 need hundreds of GiB of activations: exit 5
+    and one line naming the GPU's memory and the settings to lower, no traceback."""
+    import subprocess
+
+    tmp_path = tmp_path or Path(tempfile.mkdtemp())
+    _loader.write_synthetic(str(tmp_path / "train"), 6000, mu=7.0, sigma=1.0, vocab=4096, seed=5)
+    cmd = [sys.executable, "-m", "pytrain.train", "--no-progress", "--no-compile",
+           "--data.path", str(tmp_path / "train"), "--out_dir", str(tmp_path / "runs"),
+           "--model.n_layer", "2", "--model.d_model", "8192", "--model.n_head", "64",
+           "--data.seq_len", "2048", "--data.batch_size", "256", "--optim.grad_accum", "1",
+           "--eval_every", "0", "--samples", "0", "--max_steps", "2"]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 5, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith("pytrain.train: error: out of GPU memory at step 1, micro-batches "
+                           "of 256 x 2048 tokens (cuda:0 has"), line  # fmt: skip
+    assert "a smaller --data.batch_size (now 256" in line
+
+
 def torchao_available() -> bool:
     try:
         import torchao.float8  # noqa: F401
@@ -524,7 +546,17 @@ if __name__ == "__main__":
     test_master_adamw_kernels_equal_the_torch_path_on_the_gpu()
     test_cli_run_with_evaluation_checkpoints_and_resume()
     test_async_checkpoint_snapshot_of_device_tensors()
-    ran = ["copy", "guard", "fused_ce", "graphs+accumulation", "master_adamw", "cli", "async_ckpt"]
+    test_a_micro_batch_too_large_for_the_gpu_ends_in_one_line()
+    ran = [
+        "copy",
+        "guard",
+        "fused_ce",
+        "graphs+accumulation",
+        "master_adamw",
+        "cli",
+        "async_ckpt",
+        "oom",
+    ]
     if fp8_gpu():
         test_fp8_head_kernel_rounds_to_nearest_and_matches_the_emulation()
         test_compiled_model_with_float8_head_is_close_to_bf16()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -265,3 +266,23 @@ def test_verify_catches_a_flipped_bit_and_inspect_plots(corpus, tmp_path):
         f"pack-shards inspect: error: {tmp_path / 'nowhere'}: not a readable dataset "
         f"({tmp_path / 'nowhere'}/manifest.json: no such file)"
     )
+    # verify of a directory of raw files, and of no directory: an input error, not "FAILED"
+    # (which says a dataset is damaged).
+    for where, what in ((corpus, "not a dataset made by pack-shards (no manifest.json in it)"),
+                        (tmp_path / "nowhere", "no such directory")):  # fmt: skip
+        r = run_cli("verify", str(where))
+        assert (
+            r.returncode == 1 and r.stderr.strip() == f"pack-shards verify: error: {where}: {what}"
+        )
+
+
+def test_inspect_into_a_pipe_closed_early_exits_quietly(corpus, tmp_path):
+    """`pack-shards inspect ds | head -3`: the reader leaves; no BrokenPipeError traceback."""
+    out = tmp_path / "ds"
+    assert run_cli(str(corpus / "more.jsonl"), "-o", str(out)).returncode == 0
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader already left: every write meets a closed pipe
+    r = subprocess.run([sys.executable, "-m", "pytrain.pack_shards", "inspect", str(out)],
+                       stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60)  # fmt: skip
+    os.close(write_end)
+    assert r.returncode == 141 and "Traceback" not in r.stderr, r.stderr

@@ -435,3 +435,43 @@ def test_a_file_torch_save_did_not_write_is_refused_in_one_line(tmp_path):
     bogus.write_text('{"text": "hello"}\n')
     with pytest.raises(checkpoint.UnsafeCheckpoint, match="not a file torch.save wrote"):
         checkpoint.read_file(bogus)
+
+
+# ---- 5. out of memory -------------------------------------------------------------------
+
+
+def test_a_run_out_of_host_memory_ends_in_one_line_naming_what_to_lower(small_corpus, tmp_path):
+    """A real allocation the host refuses (the CPU attention's mask of a 1M-token row:
+    931 GiB): exit 5 with one line, torch's traceback not shown."""
+    cmd = train_cmd(small_corpus, tmp_path, "oom", "--data.seq_len", "1000000",
+                    "--data.batch_size", "1", "--max_steps", "2")  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 5, (r.returncode, r.stderr[-3000:])
+    line = one_line_error(r.stderr)
+    assert line.startswith("pytrain.train: error: out of host memory at step 1, micro-batches "
+                           "of 1 x 1000000 tokens (an allocation of"), line  # fmt: skip
+    assert "--data.seq_len (now 1000000)" in line and "--activation_checkpointing" in line
+
+
+def test_the_out_of_memory_line_names_the_settings_of_the_phase(monkeypatch):
+    from pytrain.config import parse_args
+    from pytrain.train.out_of_memory import kind, line
+
+    refused = RuntimeError(
+        "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+        "memory: you tried to allocate 3221225472 bytes. Error code 12"
+    )
+    wrapped = ValueError("while compiling")
+    wrapped.__cause__ = refused
+    assert kind(refused) == kind(wrapped) == "host" and kind(ValueError("no")) is None
+    cfg = parse_args(["--data.batch_size", "8", "--optim.grad_accum", "0"])
+    setting_up = line(refused, cfg, None)
+    assert "while setting up the model and optimizer (an allocation of 3.0 GiB" in setting_up
+    assert "--optim.state_dtype bf16" in setting_up and "--fsdp" not in setting_up
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert "--fsdp" in line(refused, cfg, None)
+    in_step = line(refused, cfg, 12)
+    assert "at step 12, micro-batches of 8 x" in in_step and "intact" in in_step
+    assert "(now 8; the gradient accumulation grows" in in_step
+    explicit = parse_args(["--data.batch_size", "8", "--optim.grad_accum", "4"])
+    assert "a larger --optim.grad_accum keeps the step's tokens" in line(refused, explicit, 3)

@@ -50,6 +50,7 @@ def test_embedded_default_trains_logs_checkpoints_and_resumes(tmp_path):
     row = acceptance.Row("default", "")
     acceptance.read_setup(out, row)
     assert row.setup == "sdpa_mask, swiglu, 8x128x1", row.setup
+    assert "| output layer fp32 |" in out  # the CPU's precision (it said bf16)
     run = tmp_path / "runs" / "default"
     assert list((run / "tb").glob("events.out.tfevents.*"))
     assert sorted(p.name for p in run.glob("ckpt-*.pt")) == ["ckpt-00000030.pt", "ckpt-00000060.pt"]

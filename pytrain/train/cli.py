@@ -25,7 +25,7 @@ its format besides the line itself."""
 
 
 def read_start_line(out: str) -> dict[str, str] | None:
-    """{attention, output_layer (fp8/bf16), mlp ('gelu, fused' ...), batch} from a run's
+    """{attention, output_layer (fp8, or the precision's bf16/fp16/fp32), mlp ('gelu, fused' ...), batch} from a run's
     output, or None when it has no start line."""
     m = START_LINE.search(out)
     return m.groupdict() if m else None
@@ -46,6 +46,8 @@ EXIT_BAD_STEPS = 3
 EXIT_DISK_FULL = 4
 """A checkpoint could not be written for space (its partial file removed, the previous
 checkpoint intact)."""
+EXIT_OUT_OF_MEMORY = 5
+"""The GPU's (or the host's) memory ran out: the line names the settings that lower it."""
 # Stopped by a signal after writing a checkpoint: 128 + the signal's number (SIGINT 130,
 # SIGTERM 143, SIGUSR1 138; pytrain.train.stopping). A second SIGINT: 130, no checkpoint.
 
@@ -57,12 +59,16 @@ def main(argv: list[str] | None = None) -> int:
     from pytrain._loader import LoaderError
     from pytrain.config import ConfigError
     from pytrain.train.disk import DiskFull
+    from pytrain.train.out_of_memory import OutOfMemory
 
     try:
         return _main(argv)
     except (ConfigError, LoaderError) as e:
         print(f"pytrain.train: error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except OutOfMemory as e:
+        print(f"pytrain.train: error: {e}", file=sys.stderr)
+        return EXIT_OUT_OF_MEMORY
     except DiskFull as e:
         print(f"pytrain.train: error: {e}", file=sys.stderr)
         return EXIT_DISK_FULL
@@ -99,13 +105,15 @@ def _main(argv: list[str] | None) -> int:
         apply_safe_env(cache, cudagraphs=cfg.compile.mode == "reduce-overhead")
     from pytrain.model import fused_swiglu
     from pytrain.train.guard import TrainingStopped
+    from pytrain.train.out_of_memory import explained
     from pytrain.train.report import final_report
     from pytrain.train.trainer import Trainer
 
     t0 = time.perf_counter()
     if not cfg.data.path and not cfg.data.mix:  # a mixture names its own datasets
         use_default_dataset(cfg)
-    trainer = Trainer(cfg)
+    with explained(cfg):
+        trainer = Trainer(cfg)
     if trainer.dist.is_main:
         from pytrain.train.sources import keep_tokenizer
 
@@ -113,7 +121,7 @@ def _main(argv: list[str] | None) -> int:
     swiglu_fused = fused_swiglu.used(trainer.gpt.cfg, trainer.device)
     trainer.say(
         f"device {trainer.device} | precision {trainer.precision.name} | attention {trainer.attention} | "
-        f"output layer {'fp8' if trainer.gpt.uses_float8_head(trainer.device) else 'bf16'} | "
+        f"output layer {'fp8' if trainer.gpt.uses_float8_head(trainer.device) else trainer.precision.short} | "
         f"mlp {trainer.gpt.cfg.mlp}{', fused' if trainer.fused_gelu or swiglu_fused else ''} | "
         f"params {trainer.gpt.num_params() / 1e6:.2f}M | world {trainer.dist.world_size} | "
         f"batch {cfg.data.batch_size}x{cfg.data.seq_len}x{cfg.optim.grad_accum} | run dir {trainer.run_dir}"
@@ -128,7 +136,8 @@ def _main(argv: list[str] | None) -> int:
     if why := trainer.fused_gelu_missing:
         trainer.say(f"model.fused_gelu auto: {why}; the MLP's GELU runs unfused")
     try:
-        result = trainer.fit()
+        with explained(cfg, step=lambda: trainer.step + 1):
+            result = trainer.fit()
     except TrainingStopped as e:
         trainer.say(f"training stopped: {e}")
         trainer.close()

@@ -13,6 +13,11 @@ class Precision:
     scaler: torch.amp.GradScaler | None
     name: str
 
+    @property
+    def short(self) -> str:
+        """The matmuls' dtype in one word: bf16, fp16 or fp32."""
+        return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.dtype, "fp32")  # type: ignore[arg-type]
+
     def autocast(self, device: torch.device) -> torch.autocast:
         """The autocast context of this precision (off for fp32)."""
         return torch.autocast(device.type, dtype=self.dtype, enabled=self.dtype is not None)

@@ -1,0 +1,92 @@
+"""One line, instead of torch's traceback, for a run that ran out of memory: which memory
+(GPU or host), when (setting up, or at which step), how much this process held, and the
+settings that lower it. A micro-batch too large for the GPU is what users of a new preset
+meet first; torch's own message names an allocation size and the allocator's environment
+variable, not the flag to change."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from collections.abc import Iterator
+
+HOST_REFUSED = re.compile(r"can't allocate memory: you tried to allocate (\d+) bytes")
+"""torch's CPU allocator's message when the host refused an allocation."""
+GIB = 2**30
+
+
+class OutOfMemory(Exception):
+    """The run ran out of memory; the message is the line to print."""
+
+
+def kind(e: BaseException) -> str | None:
+    """'GPU' or 'host' where `e`, or an exception it was raised from, is an allocation
+    that failed; else None."""
+    import torch
+
+    seen = 0
+    while e is not None and seen < 5:  # e.g. an OOM inside a compiled region, wrapped
+        if isinstance(e, torch.OutOfMemoryError):
+            return "GPU"
+        if isinstance(e, RuntimeError) and HOST_REFUSED.search(str(e)):
+            return "host"
+        e, seen = e.__cause__ or e.__context__, seen + 1  # type: ignore[assignment]
+    return None
+
+
+def line(e: BaseException, cfg, step: int | None) -> str:
+    """The line for out-of-memory error `e` of a run with settings `cfg`: `step` is the
+    step in progress, None while the model and optimizer were being set up."""
+    import torch
+
+    which = kind(e)
+    if which == "GPU":
+        dev = torch.cuda.current_device()
+        total = torch.cuda.get_device_properties(dev).total_memory
+        held = f"cuda:{dev} has {total / GIB:.1f} GiB; this process held up to {torch.cuda.max_memory_reserved(dev) / GIB:.1f}"
+    else:
+        m = HOST_REFUSED.search(str(e))
+        held = f"an allocation of {int(m.group(1)) / GIB:.1f} GiB was refused" if m else ""
+    d, world = cfg.data, int(os.environ.get("WORLD_SIZE", "1"))
+    fixes = []
+    if step is None:
+        where = "while setting up the model and optimizer"
+        if cfg.optim.name == "adamw" and cfg.optim.state_dtype == "fp32" and world == 1:
+            fixes.append(
+                "--optim.state_dtype bf16 (AdamW's moments in bf16: 4 bytes a parameter less)"
+            )
+        if world > 1 and cfg.fsdp is not True:
+            fixes.append(
+                "--fsdp (parameters, gradients and optimizer state sharded over the ranks)"
+            )
+        fixes.append("a smaller model")
+    else:
+        where = f"at step {step}, micro-batches of {d.batch_size} x {d.seq_len} tokens"
+        if d.batch_size > 1:
+            keep = (
+                "the gradient accumulation grows so that each step keeps its tokens"
+                if cfg.optim.grad_accum == 0  # derived from optim.tokens_per_step
+                else "a larger --optim.grad_accum keeps the step's tokens"
+            )
+            fixes.append(f"a smaller --data.batch_size (now {d.batch_size}; {keep})")
+        if cfg.activation_checkpointing != "full":
+            fixes.append(
+                "--activation_checkpointing full or every-2 (blocks recompute their activations)"
+            )
+        if d.batch_size == 1:
+            fixes.append(f"a shorter --data.seq_len (now {d.seq_len})")
+    kept = "" if step is None else "; the checkpoints written so far are intact"
+    return f"out of {which} memory {where} ({held}): try {', or '.join(fixes)}{kept}"
+
+
+@contextlib.contextmanager
+def explained(cfg, step=lambda: None) -> Iterator[None]:
+    """Turns an out-of-memory error in the block into OutOfMemory with its line; `step()`
+    says the step in progress (None: setting up)."""
+    try:
+        yield
+    except Exception as e:
+        if kind(e) is None:
+            raise
+        raise OutOfMemory(line(e, cfg, step())) from None
