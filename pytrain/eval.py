@@ -41,7 +41,11 @@ def evaluate(model: str, data: list[str] | None, batches: int | None, device: st
     for item in data:
         label, _, where = item.partition("=") if "=" in item else ("", "", item)
         sets[label or location_name(where)] = dataset_dir(where, "--data")
-    out: dict = {"model": str(m.source), "step": m.step, "sets": {}}
+    out: dict = {"model": str(m.source), "step": m.step, "sets": {}, "notes": []}
+    if m.tokenizer is not None:  # a set packed with another tokenizer: a loss of other tokens
+        from pytrain.train.initial_weights import tokenizer_notes
+
+        out["notes"] = tokenizer_notes(m.tokenizer, tuple(str(p) for p in sets.values()))
     total_loss = total_tokens = 0.0
     dtype = torch.bfloat16 if device != "cpu" and torch.cuda.is_bf16_supported() else None
     for name, path in sets.items():
@@ -104,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, LoaderError) as e:
         print(f"pytrain.eval: error: {e}", file=sys.stderr)
         return 2
+    for note in r["notes"]:
+        print(note, file=sys.stderr)
     if args.json:
         print(json.dumps(r, indent=2))
         return 0

@@ -438,11 +438,14 @@ impl Loader {
         {
             let (v0, h0) = tokenizer(&datasets[0]);
             let (v, h) = tokenizer(d);
+            let vocab = |v: Option<u64>| v.map_or_else(|| "unknown".to_string(), |v| v.to_string());
             return Err(Error::InvalidArgument(format!(
-                "{} was packed with another tokenizer than {} (vocabulary {v:?} vs {v0:?}, tokenizer sha256 {} vs {}): \
+                "{} was packed with another tokenizer than {} (vocabulary {} vs {}, tokenizer sha256 {} vs {}): \
                  a mixture needs one vocabulary; repack with the same tokenizer.json",
                 d.dir.display(),
                 datasets[0].dir.display(),
+                vocab(v),
+                vocab(v0),
                 h.as_deref().unwrap_or("none"),
                 h0.as_deref().unwrap_or("none"),
             )));

@@ -156,7 +156,9 @@ def test_eval_cli_equals_the_trainers_validation_loss(text_datasets, tmp_path, c
     own = evaluate(str(tmp_path / "run"), None, None)
     assert own["loss"] == r["loss"] and list(own["sets"]) == ["val"]  # the trainer's name
     assert eval_main([str(tmp_path / "run")]) == 0
-    assert f"loss {result['val_loss']:.4f}" in capsys.readouterr().out
+    got = capsys.readouterr()
+    assert f"loss {result['val_loss']:.4f}" in got.out and "note:" not in got.err
+    assert own["notes"] == []  # the run's own tokenizer
     assert eval_main([str(tmp_path / "nope"), "--data", str(text_datasets[1])]) == 2
     # A dataset of the extension's synthetic writer (its manifest from the same one writer
     # as pack-shards': it has totals, and no input bytes to give bits per byte).
@@ -165,6 +167,16 @@ def test_eval_cli_equals_the_trainers_validation_loss(text_datasets, tmp_path, c
     _loader.write_synthetic(str(tmp_path / "syn"), 300, vocab=256, seed=3)
     syn = evaluate(str(tmp_path / "run"), [str(tmp_path / "syn")], batches=2)
     assert syn["loss"] > 0 and "bits_per_byte" not in syn["sets"]["syn"]
+    assert syn["notes"] == []  # no tokenizer recorded: nothing to compare
+    # A set packed with another tokenizer (bytes): its ids are other tokens, said beside
+    # the figures.
+    pack((("t", stdlib_texts(20_000)[0]),), tmp_path / "bytes", PackOptions(tokenizer="byte"))
+    other = evaluate(str(tmp_path / "run"), [str(tmp_path / "bytes")], batches=1)
+    (note,) = other["notes"]  # the model's tokenizer: the training set's, here
+    assert note.startswith(
+        f"note: {tmp_path / 'bytes'} was packed with another tokenizer than "
+        f"{text_datasets[0] / 'tokenizer.json'} (settings hash "
+    ), note
 
 
 def test_a_variant_without_a_transformers_class_is_refused_by_name():

@@ -272,8 +272,9 @@ def test_mixture_resumes_on_another_world_size(three_sources):
 def test_mixture_refuses_other_tokenizers_and_bad_weights(three_sources, tmp_path):
     paths = {k: v[0] for k, v in three_sources.items()}
     other = write_synthetic(tmp_path / "other", traceable_docs([30, 40]), vocab=50_000)
-    with pytest.raises(ValueError, match="another tokenizer"):
+    with pytest.raises(ValueError, match="another tokenizer") as e:
         _mix({"web": paths["web"], "other": other}, {"web": 1, "other": 1})
+    assert "(vocabulary 50000 vs " in str(e.value) and "Some(" not in str(e.value)
     with pytest.raises(ValueError, match="no dataset named 'wbe'"):
         _mix(paths, {"wbe": 1.0})
     with pytest.raises(ValueError, match="needs weights"):

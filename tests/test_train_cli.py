@@ -126,6 +126,30 @@ def test_user_errors_are_one_line_naming_the_path_or_key(tmp_path, small_corpus,
     assert len(lines) == 1 and named.format(**subst) in lines[0], r.stderr
 
 
+def test_a_validation_set_or_source_of_another_tokenizer_is_refused(tmp_path, small_corpus):
+    """Ids of another tokenizer mean other tokens: a validation set packed with one gave a
+    loss with no meaning, silently; a mixture's source ended in the loader's ValueError."""
+    from conftest import learnable_docs, write_synthetic
+
+    other = write_synthetic(tmp_path / "other", learnable_docs(50, vocab=300), vocab=300)
+    train = small_corpus[0]
+    base = [sys.executable, "-m", "pytrain.train", "--out_dir", str(tmp_path / "runs"),
+            "--max_steps", "1", "--no-progress"]  # fmt: skip
+    for args, flags in (
+        (["--data.path", str(train), "--data.val_path", str(other)],
+         ("--data.val_path", "--data.path")),
+        (["--data.mix", f"a={train}:0.5", f"b={other}:0.5"], ("--data.mix b", "--data.mix a")),
+    ):  # fmt: skip
+        r = subprocess.run([*base, *args], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+        assert r.stderr.strip().splitlines()[-1] == (
+            f"pytrain.train: error: {flags[0]} {other} was packed with another tokenizer than "
+            f"{flags[1]} {train} (synthetic: vocabulary 300, settings hash 000000000000; "
+            "against synthetic: vocabulary 256, settings hash 000000000000): its ids would "
+            "mean other tokens; pack it with the same tokenizer.json"
+        )
+
+
 def test_a_mixture_from_the_command_line_trains_without_the_embedded_default(
     tmp_path, small_corpus
 ):

@@ -49,7 +49,44 @@ def resolve(d: DataConfig) -> Sources:
         return f"--data.val_mix {name}" if d.val_mix else "--data.val_path"
 
     val = {n: dataset_dir(p, flag(n)) for n, p in d.val_sources().items()}
+    same_tokenizer(
+        [(f"--data.mix {n}" if d.mix else "--data.path", p) for n, p in train.items()]
+        + [(flag(n), p) for n, p in val.items()]
+    )
     return Sources(train, val, weights)
+
+
+def same_tokenizer(sets: list[tuple[str, Path | str]]) -> None:
+    """Every dataset of `sets` ((flag, path) each) was packed with the first one's tokenizer,
+    by its manifest's vocabulary and settings hash: a mixture's sources and the validation
+    sets hold ids that must mean the same tokens (a validation set packed with another
+    tokenizer gave a loss with no meaning). Raises ConfigError naming both otherwise."""
+    from pytrain.data.shards import read_manifest
+
+    def tokenizer(path: Path | str) -> dict | None:
+        try:
+            return read_manifest(path).get("tokenizer", {})
+        except (OSError, ValueError):
+            return None  # the loader names a dataset it cannot read
+
+    def described(t: dict) -> str:
+        return (f"{t.get('name')}: vocabulary {t.get('vocab_size')}, settings hash "
+                f"{(t.get('sha256') or 'none')[:12]}")  # fmt: skip
+
+    (flag0, path0), *rest = sets
+    if (t0 := tokenizer(path0)) is None:
+        return
+    for flag, path in rest:
+        t = tokenizer(path)
+        if t is not None and (t.get("vocab_size"), t.get("sha256")) != (
+            t0.get("vocab_size"),
+            t0.get("sha256"),
+        ):
+            raise ConfigError(
+                f"{flag} {path} was packed with another tokenizer than {flag0} {path0} "
+                f"({described(t)}; against {described(t0)}): its ids would mean other "
+                "tokens; pack it with the same tokenizer.json"
+            )
 
 
 def train_loader(d: DataConfig, s: Sources, grad_accum: int, dist: DistInfo) -> TokenLoader:
