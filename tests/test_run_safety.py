@@ -464,6 +464,9 @@ def test_the_out_of_memory_line_names_the_settings_of_the_phase(monkeypatch):
     wrapped = ValueError("while compiling")
     wrapped.__cause__ = refused
     assert kind(refused) == kind(wrapped) == "host" and kind(ValueError("no")) is None
+    another = ValueError("raised while the OOM was handled")
+    another.__context__ = refused  # its own error, not the allocation's
+    assert kind(another) is None
     cfg = parse_args(["--data.batch_size", "8", "--optim.grad_accum", "0"])
     setting_up = line(refused, cfg, None)
     assert "while setting up the model and optimizer (an allocation of 3.0 GiB" in setting_up

@@ -26,12 +26,14 @@ def kind(e: BaseException) -> str | None:
     import torch
 
     seen = 0
-    while e is not None and seen < 5:  # e.g. an OOM inside a compiled region, wrapped
+    # Explicit causes only (`raise ... from e`, as a compiler wrapping an OOM raises): an
+    # error raised while another was being handled is its own error.
+    while e is not None and seen < 5:
         if isinstance(e, torch.OutOfMemoryError):
             return "GPU"
         if isinstance(e, RuntimeError) and HOST_REFUSED.search(str(e)):
             return "host"
-        e, seen = e.__cause__ or e.__context__, seen + 1  # type: ignore[assignment]
+        e, seen = e.__cause__, seen + 1  # type: ignore[assignment]
     return None
 
 
