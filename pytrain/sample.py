@@ -64,6 +64,15 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 2
         ids = [m.eos_id]
+    context = m.gpt.cfg.max_seq_len  # the KV cache holds the prompt and the new tokens
+    if args.cache and len(ids) + args.max_new_tokens > context:
+        if len(ids) >= context:
+            print(f"pytrain.sample: error: the prompt is {len(ids)} tokens and the model's "
+                  f"context {context}: shorten it, or --no-cache (a window of the last "
+                  f"{context} tokens)", file=sys.stderr)  # fmt: skip
+            return 2
+        print(f"note: at most {context - len(ids)} new tokens: the model's context is "
+              f"{context} tokens and the prompt {len(ids)}", file=sys.stderr)  # fmt: skip
     g = torch.Generator(device=device).manual_seed(args.seed)
     dtype = torch.bfloat16 if device != "cpu" and torch.cuda.is_bf16_supported() else None
     for i in range(args.num_samples):

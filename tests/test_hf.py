@@ -133,6 +133,16 @@ def test_greedy_sample_equals_transformers_generate_and_the_cache_changes_nothin
         # (The run's own log lines may come first in the captured output.)
         want = tok.decode([i for i in hf[0].tolist() if i != eos])
         assert text.rstrip("\n")[-len(want) :] == want
+    if heads == "mha":  # the KV cache's bound, said (a prompt past it gave 0 tokens, silently)
+        context = gpt.cfg.max_seq_len
+        assert sample_main([str(out), "--prompt", "def", "--max_new_tokens", str(context)]) == 0
+        assert f"note: at most {context - 1} new tokens: the model's context is {context}" in (
+            capsys.readouterr().err
+        )
+        long = " ".join(str(i) for i in range(context))
+        assert len(tok(long).input_ids) > context
+        assert sample_main([str(out), "--prompt", long, "--max_new_tokens", "2"]) == 2
+        assert f"and the model's context {context}: shorten it" in capsys.readouterr().err
 
 
 def test_eval_cli_equals_the_trainers_validation_loss(text_datasets, tmp_path, capsys):
