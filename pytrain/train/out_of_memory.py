@@ -46,10 +46,13 @@ def line(e: BaseException, cfg, step: int | None) -> str:
     if which == "GPU":
         dev = torch.cuda.current_device()
         total = torch.cuda.get_device_properties(dev).total_memory
-        held = f"cuda:{dev} has {total / GIB:.1f} GiB; this process held up to {torch.cuda.max_memory_reserved(dev) / GIB:.1f}"
+        peak = torch.cuda.max_memory_reserved(dev)
+        held = (
+            f" (cuda:{dev} has {total / GIB:.1f} GiB; this process held up to {peak / GIB:.1f} GiB)"
+        )
     else:
         m = HOST_REFUSED.search(str(e))
-        held = f"an allocation of {int(m.group(1)) / GIB:.1f} GiB was refused" if m else ""
+        held = f" (an allocation of {int(m.group(1)) / GIB:.1f} GiB was refused)" if m else ""
     d, world = cfg.data, int(os.environ.get("WORLD_SIZE", "1"))
     fixes = []
     if step is None:
@@ -79,7 +82,7 @@ def line(e: BaseException, cfg, step: int | None) -> str:
         if d.batch_size == 1:
             fixes.append(f"a shorter --data.seq_len (now {d.seq_len})")
     kept = "" if step is None else "; the checkpoints written so far are intact"
-    return f"out of {which} memory {where} ({held}): try {', or '.join(fixes)}{kept}"
+    return f"out of {which} memory {where}{held}: try {', or '.join(fixes)}{kept}"
 
 
 @contextlib.contextmanager

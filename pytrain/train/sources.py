@@ -61,13 +61,14 @@ def same_tokenizer(sets: list[tuple[str, Path | str]]) -> None:
     by its manifest's vocabulary and settings hash: a mixture's sources and the validation
     sets hold ids that must mean the same tokens (a validation set packed with another
     tokenizer gave a loss with no meaning). Raises ConfigError naming both otherwise."""
+    from pytrain import _loader
     from pytrain.data.shards import read_manifest
 
     def tokenizer(path: Path | str) -> dict | None:
         try:
             return read_manifest(path).get("tokenizer", {})
-        except (OSError, ValueError):
-            return None  # the loader names a dataset it cannot read
+        except (OSError, ValueError, _loader.LoaderError):
+            return None  # the loader names a dataset it cannot read (or reach)
 
     def described(t: dict) -> str:
         return (f"{t.get('name')}: vocabulary {t.get('vocab_size')}, settings hash "
