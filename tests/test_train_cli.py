@@ -148,6 +148,15 @@ def test_a_validation_set_or_source_of_another_tokenizer_is_refused(tmp_path, sm
             "against synthetic: vocabulary 256, settings hash 000000000000): its ids would "
             "mean other tokens; pack it with the same tokenizer.json"
         )
+    # The same tokenizer with 4-byte tokens: the loader's refusal, in one line.
+    wide = write_synthetic(tmp_path / "wide", learnable_docs(50), dtype="uint32", vocab=256)
+    r = subprocess.run([*base, "--data.mix", f"a={train}:0.5", f"b={wide}:0.5"],
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"pytrain.train: error: --data.mix: {wide} stores 4-byte tokens, {train} 2-byte ones: "
+        "a mixture needs one token width (repack with the same --dtype)"
+    )
 
 
 def test_a_mixture_from_the_command_line_trains_without_the_embedded_default(

@@ -96,9 +96,12 @@ def train_loader(d: DataConfig, s: Sources, grad_accum: int, dist: DistInfo) -> 
     if s.weights is None:
         return TokenLoader(s.train_path, d, rank=dist.rank, world_size=dist.world_size)
     stages = [(step * grad_accum * dist.world_size, w) for step, w in d.stage_list()]
-    return TokenLoader(
-        s.train, d, weights=s.weights, stages=stages, rank=dist.rank, world_size=dist.world_size
-    )
+    try:
+        return TokenLoader(
+            s.train, d, weights=s.weights, stages=stages, rank=dist.rank, world_size=dist.world_size
+        )
+    except ValueError as e:  # sources the loader cannot mix (e.g. 2- and 4-byte tokens)
+        raise ConfigError(f"--data.mix: {str(e).removeprefix('invalid argument: ')}") from None
 
 
 def keep_tokenizer(run_dir: Path, train: Path | str) -> None:
