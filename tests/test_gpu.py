@@ -480,7 +480,7 @@ def test_a_micro_batch_too_large_for_the_gpu_ends_in_one_line(tmp_path=None):
     line = r.stderr.strip().splitlines()[-1]
     assert line.startswith("pytrain.train: error: out of GPU memory at step 1, micro-batches "
                            "of 256 x 2048 tokens (cuda:0 has"), line  # fmt: skip
-    assert "a smaller --data.batch_size (now 256" in line
+    assert "a smaller --data.batch_size (now 256" in line and "expandable_segments:True" in line
 
 
 def torchao_available() -> bool:
