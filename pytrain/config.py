@@ -138,16 +138,18 @@ class LoaderConfig:
     world_size: int = _not_a_flag(1)
 
     def batch_settings(self) -> dict:
-        """The settings that decide the batches, by name: what a saved loader state is
-        checked against (the Rust loader's fingerprint of the same fields)."""
+        """The settings that decide the stream of rows (or bucket batches), by name: what a
+        saved loader state is checked against (the Rust loader's fingerprint of the same
+        fields). Not batch_size in pack mode: a state is a row boundary, and any number
+        of rows a batch continues from it, as any world size does."""
         common = {
             "seed": self.seed,
             "shuffle": self.shuffle,
             "frames_per_block": self.frames_per_block,
         }
         if self.mode == "pack":
-            return {"mode": "pack", "seq_len": self.seq_len, "batch_size": self.batch_size,
-                    "strategy": self.strategy, **common}  # fmt: skip
+            return {"mode": "pack", "seq_len": self.seq_len, "strategy": self.strategy,
+                    **common}  # fmt: skip
         return {"mode": self.mode, "token_budget": self.token_budget,
                 "bucket_lengths": list(self.bucket_lengths), **common}  # fmt: skip
 

@@ -88,20 +88,31 @@ impl LoaderConfig {
     }
 
     /// Hash of the settings that cut the stream into items (not threads, prefetch, rank,
-    /// world size or mixture weights).
+    /// world size, mixture weights, or the rows a batch takes in pack mode: rows are
+    /// packed block by block whatever the batch size, so a state at a batch boundary is a
+    /// row boundary that any batch size continues from, as any world size does).
     pub fn fingerprint(&self) -> u64 {
+        self.fingerprint_with(None)
+    }
+
+    /// The fingerprint as versions before the batch size could change wrote it (pack
+    /// mode's batch size included): states they saved resume at their batch size.
+    fn legacy_fingerprint(&self) -> u64 {
+        match &self.mode {
+            Mode::Pack { batch_size, .. } => self.fingerprint_with(Some(*batch_size as u64)),
+            Mode::Bucket(_) => self.fingerprint(),
+        }
+    }
+
+    fn fingerprint_with(&self, batch_size: Option<u64>) -> u64 {
         let mode: Vec<u64> = match &self.mode {
             Mode::Pack {
-                seq_len,
-                batch_size,
-                strategy,
+                seq_len, strategy, ..
             } => {
-                vec![
-                    1,
-                    *seq_len as u64,
-                    *batch_size as u64,
-                    (*strategy == PackStrategy::Concat) as u64,
-                ]
+                let mut v = vec![1, *seq_len as u64];
+                v.extend(batch_size);
+                v.push((*strategy == PackStrategy::Concat) as u64);
+                v
             }
             Mode::Bucket(spec) => {
                 let mut v = vec![2, spec.token_budget as u64];
@@ -740,9 +751,13 @@ pub fn resume_position(
             )));
         }
     }
-    if state.config_fingerprint != config.fingerprint() {
+    if state.config_fingerprint != config.fingerprint()
+        && state.config_fingerprint != config.legacy_fingerprint()
+    {
         return Err(Error::State(
-            "loader settings (mode, seq_len, batch size, buckets, seed, shuffle, frames_per_block, epochs or mixture weights) differ from the saved state".into(),
+            "loader settings (mode, seq_len, strategy, buckets, seed, shuffle, frames_per_block or epochs; \
+             for a state saved before batch sizes could change, the batch size) differ from the saved state"
+                .into(),
         ));
     }
     Ok(state.position.clone())

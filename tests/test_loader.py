@@ -178,6 +178,55 @@ def test_resume_on_another_world_size_delivers_every_document_once(
     assert np.array_equal(delivered, all_tokens(docs))  # no loss, no repeat
 
 
+def test_resume_with_another_batch_size_continues_the_same_rows(synthetic_dataset):
+    """Rows are packed block by block whatever the batch size: a state saved between
+    batches of 4 rows is a row that batches of 3 (here also on 2 ranks instead of 1)
+    continue from, so a micro-batch that no longer fits the GPU can shrink on resume."""
+    path, docs = synthetic_dataset
+    kw = dict(seq_len=63, frames_per_block=1, num_epochs=1)
+
+    def rows(batches) -> list[np.ndarray]:  # a last batch's empty rows left out
+        return [
+            r for b in batches for r in np.asarray(b["tokens"] * (b["doc_ids"] >= 0)) if r.any()
+        ]
+
+    whole = rows(take(TokenLoader(path, batch_size=4, **kw)))
+    first = TokenLoader(path, batch_size=4, **kw)
+    taken = take(first, 7)
+    head = rows(taken)
+    state = first.state_dict()
+    rest = TokenLoader(path, batch_size=3, **kw)
+    rest.load_state_dict(state)
+    tail = rows(take(rest))
+    got = head + tail
+    assert len(head) == 28 and len(got) == len(whole)
+    assert all(np.array_equal(a, b) for a, b in zip(got, whole, strict=True))  # row for row
+    # And on 2 ranks of 3-row batches: every document once.
+    ranks, _ = _ranks_take(path, 2, None, state=state, batch_size=3, **kw)
+    delivered = np.concatenate([np.asarray(b["tokens"][b["doc_ids"] >= 0]) for b in taken] + ranks)
+    assert np.array_equal(np.sort(delivered.astype(np.int64)), all_tokens(docs))
+
+
+# A state the build before batch sizes could change saved (7 batches of 4 rows of 64 from
+# this synthetic set): its fingerprint holds the batch size.
+LEGACY_STATE = {"version": 2, "config": "5942582464460774", "items": 28,
+                "sources": [{"manifest_hash": "9c23a37ff2448dc3", "epoch": 0, "block": 0,
+                             "item": 28, "tokens": 1792, "stage_tokens": 1792}],
+                "names": ["legacy_ds"]}  # fmt: skip
+
+
+def test_a_state_saved_before_batch_sizes_could_change_resumes_at_its_batch_size(tmp_path):
+    _loader.write_synthetic(str(tmp_path / "ds"), 500, mu=4.0, sigma=1.0, vocab=256, seed=1)
+    kw = dict(seq_len=63, frames_per_block=1)
+    same = TokenLoader(tmp_path / "ds", batch_size=4, **kw)
+    same.load_state_dict(LEGACY_STATE)
+    fresh = TokenLoader(tmp_path / "ds", batch_size=4, **kw)
+    want = take(fresh, 8)[7]["tokens"]
+    assert torch.equal(take(same, 1)[0]["tokens"], want)  # the 8th batch, as before
+    with pytest.raises(StateError, match="for a state saved before batch sizes could change"):
+        TokenLoader(tmp_path / "ds", batch_size=3, **kw).load_state_dict(LEGACY_STATE)
+
+
 def test_documents_that_fit_a_row_stay_whole_across_a_world_size_change(synthetic_dataset):
     path, docs = synthetic_dataset
     kw = dict(seq_len=255, batch_size=2, frames_per_block=1, num_epochs=1)

@@ -484,7 +484,7 @@ def test_step_lines_read_back_as_the_step_log_writes_them(tmp_path):
     assert rows[1]["tok/s"] == 2000.0 and rows[1]["mfu"] == 1.0
 
 
-def test_resume_with_other_batch_settings_names_them_and_the_flags(small_corpus, tmp_path):
+def test_resume_with_other_batch_settings_names_them_and_the_flags(small_corpus, tmp_path, capsys):
     """A checkpoint's loader position belongs to the batches its settings cut: resuming
     with other ones is refused with the settings named and the flags that resume it."""
     first = Trainer(small_cfg(small_corpus, tmp_path, "--max_steps", "2", "--ckpt_every", "2"))
@@ -506,3 +506,11 @@ def test_resume_with_other_batch_settings_names_them_and_the_flags(small_corpus,
     again = Trainer(small_cfg(small_corpus, tmp_path, "--data.frames_per_block", "2"))
     assert again.step == 2
     again.close()
+    # A micro-batch of other rows resumes too (the loader continues from the same row).
+    capsys.readouterr()
+    other = Trainer(small_cfg(small_corpus, tmp_path, "--data.batch_size", "3"))
+    assert other.step == 2
+    assert (
+        "resuming a run saved with 4-row micro-batches with 3-row ones" in capsys.readouterr().out
+    )
+    other.close()

@@ -136,7 +136,7 @@ def _main(argv: list[str] | None) -> int:
     if why := trainer.fused_gelu_missing:
         trainer.say(f"model.fused_gelu auto: {why}; the MLP's GELU runs unfused")
     try:
-        with explained(cfg, step=lambda: trainer.step + 1, run_dir=trainer.run_dir):
+        with explained(cfg, step=lambda: trainer.step + 1):
             result = trainer.fit()
     except TrainingStopped as e:
         trainer.say(f"training stopped: {e}")

@@ -37,10 +37,10 @@ def kind(e: BaseException) -> str | None:
     return None
 
 
-def line(e: BaseException, cfg, step: int | None, resumable: bool = False) -> str:
+def line(e: BaseException, cfg, step: int | None) -> str:
     """The line for out-of-memory error `e` of a run with settings `cfg`: `step` is the
-    step in progress, None while the model and optimizer were being set up; `resumable`:
-    the run directory holds a checkpoint (which resumes at its own batch size only)."""
+    step in progress, None while the model and optimizer were being set up. (A smaller
+    batch size resumes the run's checkpoint: the loader continues from its row.)"""
     import torch
 
     which = kind(e)
@@ -75,11 +75,7 @@ def line(e: BaseException, cfg, step: int | None, resumable: bool = False) -> st
                 if cfg.optim.grad_accum == 0  # derived from optim.tokens_per_step
                 else "a larger --optim.grad_accum keeps the step's tokens"
             )
-            new_run = " in a new run (--name: a checkpoint resumes at its batch size)"
-            fixes.append(
-                f"a smaller --data.batch_size{new_run if resumable else ''} (now "
-                f"{d.batch_size}; {keep})"
-            )
+            fixes.append(f"a smaller --data.batch_size (now {d.batch_size}; {keep})")
         if cfg.activation_checkpointing != "full":
             fixes.append(
                 "--activation_checkpointing full or every-2 (blocks recompute their activations)"
@@ -89,20 +85,21 @@ def line(e: BaseException, cfg, step: int | None, resumable: bool = False) -> st
         if which == "GPU":  # a run whose peak grew after its first steps: fragmentation
             fixes.append("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less memory lost "
                          "to fragmentation)")  # fmt: skip
-    kept = "" if step is None else "; the checkpoints written so far are intact"
+    kept = (
+        ""
+        if step is None
+        else "; the checkpoints written so far are intact: the same command with the change resumes"
+    )
     return f"out of {which} memory {where}{held}: try {', or '.join(fixes)}{kept}"
 
 
 @contextlib.contextmanager
-def explained(cfg, step=lambda: None, run_dir=None) -> Iterator[None]:
+def explained(cfg, step=lambda: None) -> Iterator[None]:
     """Turns an out-of-memory error in the block into OutOfMemory with its line; `step()`
-    says the step in progress (None: setting up); `run_dir`, where its checkpoints are."""
+    says the step in progress (None: setting up)."""
     try:
         yield
     except Exception as e:
         if kind(e) is None:
             raise
-        from pytrain.train.checkpoint import list_checkpoints
-
-        resumable = run_dir is not None and bool(list_checkpoints(run_dir))
-        raise OutOfMemory(line(e, cfg, step(), resumable)) from None
+        raise OutOfMemory(line(e, cfg, step())) from None

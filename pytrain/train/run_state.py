@@ -139,4 +139,11 @@ def resume(t) -> None:
             f"resuming a run saved on {len(ranks)} rank(s) on {world}: the loader continues "
             "its global order, each document once"
         )
+    if (
+        rows := saved["data"].get("batch_size")
+    ) != t.cfg.data.batch_size and t.cfg.data.mode == "pack":
+        t.say(
+            f"resuming a run saved with {rows}-row micro-batches with {t.cfg.data.batch_size}-row "
+            "ones: the loader continues from the same row, each document once"
+        )
     t.say(f"resumed from {path} at step {t.step}")
