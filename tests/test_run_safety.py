@@ -442,10 +442,17 @@ def test_a_file_torch_save_did_not_write_is_refused_in_one_line(tmp_path):
 
 def test_a_run_out_of_host_memory_ends_in_one_line_naming_what_to_lower(small_corpus, tmp_path):
     """A real allocation the host refuses (the CPU attention's mask of a 1M-token row:
-    931 GiB): exit 5 with one line, torch's traceback not shown."""
+    931 GiB): exit 5 with one line, torch's traceback not shown. The process's address
+    space is capped at 64 GiB, so that the refusal does not depend on the host's memory
+    or overcommit policy (with overcommit on, the kernel might grant it, then kill)."""
+    import resource
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (64 << 30, 64 << 30))
+
     cmd = train_cmd(small_corpus, tmp_path, "oom", "--data.seq_len", "1000000",
                     "--data.batch_size", "1", "--max_steps", "2")  # fmt: skip
-    r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300, preexec_fn=cap)
     assert r.returncode == 5, (r.returncode, r.stderr[-3000:])
     line = one_line_error(r.stderr)
     assert line.startswith("pytrain.train: error: out of host memory at step 1, micro-batches "
