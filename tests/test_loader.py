@@ -318,6 +318,27 @@ def test_mixture_resumes_on_another_world_size(three_sources):
     assert np.array_equal(np.sort(np.concatenate(got + rest)), want)
 
 
+def test_mixture_resumes_with_another_batch_size_row_for_row(three_sources):
+    """The mixture picks a source per row: its rows do not depend on the batch size either."""
+    paths = {k: v[0] for k, v in three_sources.items()}
+    kw = dict(weights={"web": 0.5, "code": 0.3, "math": 0.2}, seq_len=63, frames_per_block=1,
+              num_epochs=1)  # fmt: skip
+
+    def rows(batches) -> list[np.ndarray]:
+        return [
+            r for b in batches for r in np.asarray(b["tokens"] * (b["doc_ids"] >= 0)) if r.any()
+        ]
+
+    whole = rows(take(TokenLoader(paths, batch_size=2, **kw)))
+    first = TokenLoader(paths, batch_size=2, **kw)
+    head = rows(take(first, 9))
+    rest = TokenLoader(paths, batch_size=5, **kw)
+    rest.load_state_dict(first.state_dict())
+    got = head + rows(take(rest))
+    assert len(head) == 18 and len(got) == len(whole)
+    assert all(np.array_equal(a, b) for a, b in zip(got, whole, strict=True))
+
+
 def test_mixture_refuses_other_tokenizers_and_bad_weights(three_sources, tmp_path):
     paths = {k: v[0] for k, v in three_sources.items()}
     other = write_synthetic(tmp_path / "other", traceable_docs([30, 40]), vocab=50_000)
