@@ -67,12 +67,12 @@ def test_gpt_training_loss_is_the_same_fused_or_not(monkeypatch):
 
 
 def fp8_emulated(x, w, t):
-    """The FP8 op's math spelled out: dequantised e4m3 operands, the exact gradient rounded
-    to e5m2 with the fixed scale, all products in fp32."""
+    """The FP8 op's math spelled out: bf16 logits; their exact gradient rounded to e5m2
+    with the fixed scale, times dequantised e4m3 operands, products in fp32."""
     x8, xi = fused_ce._e4m3(x)
     w8, wi = fused_ce._e4m3(w.to(x.dtype))
     xq, wq = x8.float() * xi, w8.float() * wi
-    logits = (xq @ wq.t()).to(x.dtype).float()
+    logits = (x @ w.to(x.dtype).t()).float()
     loss = F.cross_entropy(logits, t, ignore_index=-100, reduction="sum")
     g = torch.softmax(logits, -1) - F.one_hot(t.clamp(min=0), logits.shape[1])
     g = g * (t != -100)[:, None]
@@ -99,10 +99,29 @@ def test_fp8_linear_cross_entropy_is_close_to_bf16():
     x, w, t = fp8_inputs()
     exact = grads(fused_ce.linear_cross_entropy, x, w, t, scale=0.5)
     fp8 = grads(lambda *a: fused_ce.linear_cross_entropy(*a, fp8=True), x, w, t, scale=0.5)
-    torch.testing.assert_close(fp8[0], exact[0], rtol=1e-3, atol=0)
+    assert torch.equal(fp8[0], exact[0])  # the same bf16 logits, so the same loss
     for a, b in zip(fp8[1:], exact[1:], strict=True):
         assert F.cosine_similarity(a.float().flatten(), b.float().flatten(), 0) > 0.999
         assert float((a.float() - b.float()).norm() / b.float().norm()) < 0.05
+
+
+def test_fp8_output_layer_on_a_trained_models_logits():
+    """Peaked logits, as a trained model's (loss ~1.9 a token at 8,192 tokens): the FP8
+    op's loss is the bf16 op's, and its gradients stay within 8% of fp32's. Its first form,
+    with e4m3 logits, was 1% above in loss and 13% off in both gradients (docs/TRAINER.md)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 256, generator=g)
+    x = x / x.pow(2).mean(1, keepdim=True).sqrt()  # RMS-normalised, as the final norm's
+    w = torch.randn(8192, 256, generator=g) * 0.35
+    t = torch.multinomial((x @ w.t()).softmax(-1), 1, generator=g).squeeze(1)
+    exact = torch.ops.pytrain.linear_ce(x, w, t)
+    bf16 = torch.ops.pytrain.linear_ce(x.bfloat16(), w.bfloat16(), t)
+    fp8 = torch.ops.pytrain.linear_ce_fp8(x.bfloat16(), w, t)
+    assert 1.5 < float(exact[0]) / len(t) < 2.5
+    assert torch.equal(fp8[0], bf16[0])
+    for i in (1, 2):
+        err = float((fp8[i].float() - exact[i]).norm() / exact[i].norm())
+        assert err < 0.08, (i, err)
 
 
 def test_fp8_falls_back_to_bf16_where_shapes_are_not_multiples_of_16():
@@ -171,19 +190,18 @@ KERNEL_CHECK = textwrap.dedent(
         fused_ce._transpose_kernel[grid](src, dst, m, n, BM=128, BN=128)
         assert torch.equal(dst, src.t()), (m, n)
         # The e4m3 cast on values that scale exactly onto e4m3's grid (so that rounding,
-        # which the interpreter does differently, does not enter): the same bytes, scale
-        # and transposed copy as the torch path.
+        # which the interpreter does differently, does not enter): the torch path's bytes,
+        # transposed, and its scale.
         e4 = src.clone()
         e4[(e4 & 0x7F) == 0x7F] = 0  # no NaN
         x = (e4.view(torch.float8_e4m3fn).float() * 2.0**-9).bfloat16()
         want8, want_inv = fused_ce._e4m3(x)
-        t8, t8_t = torch.empty(m, n, dtype=torch.uint8), torch.empty(n, m, dtype=torch.uint8)
+        t8_t = torch.empty(n, m, dtype=torch.uint8)
         inv = torch.empty(())
         amax = x.float().abs().amax()
-        fused_ce._e4m3_kernel[(m + 63) // 64, (n + 127) // 128](
-            x, amax, t8.view(torch.float8_e4m3fn), t8_t.view(torch.float8_e4m3fn), inv, m, n,
-            MAX=448.0, BM=64, BN=128)
-        assert torch.equal(t8, want8.view(torch.uint8)) and torch.equal(t8_t, t8.t()), (m, n)
+        fused_ce._e4m3_t_kernel[(m + 63) // 64, (n + 127) // 128](
+            x, amax, t8_t.view(torch.float8_e4m3fn), inv, m, n, MAX=448.0, BM=64, BN=128)
+        assert torch.equal(t8_t, want8.view(torch.uint8).t()), (m, n)
         assert float(inv) == float(want_inv), (m, n)
     print("kernel ok")
     """

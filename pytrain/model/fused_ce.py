@@ -7,8 +7,8 @@ computes the logits, turns them in place into d(loss)/d(logits) with one kernel 
 gives each token's loss (two passes over a row, the second mostly from L2), and
 multiplies that by the weight and the input right away. Backward only scales the two
 small results by the incoming gradient (the gradient-accumulation factor). The logits are
-never kept for backward. An FP8 form of the op (`--model.float8_head`) runs its three
-matmuls through torch._scaled_mm (see G_SCALE's comment).
+never kept for backward. An FP8 form of the op (`--model.float8_head`) runs its two
+gradient matmuls through torch._scaled_mm (see G_SCALE's comment).
 
 The kernel is Triton on CUDA; elsewhere the same math runs in torch (tests use it, and
 `_ce_grad_torch` is the reference the Triton kernel is tested against). Wrapped as a
@@ -85,13 +85,13 @@ if triton is not None:
         tl.store(out, tile, mask=mask)
 
     @triton.jit
-    def _e4m3_kernel(
-        src, amax_ptr, dst, dst_t, inv_ptr, M, N, MAX: tl.constexpr, BM: tl.constexpr,
+    def _e4m3_t_kernel(
+        src, amax_ptr, dst_t, inv_ptr, M, N, MAX: tl.constexpr, BM: tl.constexpr,
         BN: tl.constexpr,
     ):  # fmt: skip
         """One BM x BN tile of src (M, N) scaled by the power of two that takes its absolute
-        maximum to at most MAX, rounded to e4m3 into dst (M, N) and dst_t (N, M); the first
-        program stores the dequantisation scale (_e4m3's math, in one pass)."""
+        maximum to at most MAX, rounded to e4m3 and written transposed into dst_t (N, M);
+        the first program stores the dequantisation scale (_e4m3's math, in one pass)."""
         amax = tl.maximum(tl.load(amax_ptr).to(tl.float32), 1e-30)
         scale = tl.exp2(tl.floor(tl.log2(MAX / amax)))
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
@@ -100,8 +100,7 @@ if triton is not None:
         rn = tl.program_id(1) * BN + tl.arange(0, BN)
         mask = (rm[:, None] < M) & (rn[None, :] < N)
         tile = tl.load(src + rm[:, None].to(tl.int64) * N + rn[None, :], mask=mask)
-        q = (tile.to(tl.float32) * scale).to(dst.dtype.element_ty, fp_downcast_rounding="rtne")
-        tl.store(dst + rm[:, None].to(tl.int64) * N + rn[None, :], q, mask=mask)
+        q = (tile.to(tl.float32) * scale).to(dst_t.dtype.element_ty, fp_downcast_rounding="rtne")
         tl.store(dst_t + rn[None, :].to(tl.int64) * M + rm[:, None], q, mask=mask)
 
 
@@ -190,15 +189,19 @@ def _linear_ce_fake(x, weight, targets):
     )
 
 
-# The FP8 form (model.float8_head): the op's three matmuls through torch._scaled_mm. The
-# input and the weight go to e4m3 with per-tensor power-of-two scales from their absolute
-# maxima (a power of two scales exactly, so the cast never overflows); the logits'
-# gradient goes to e5m2 straight from the cross-entropy kernel with a fixed scale, since
-# every entry of softmax - onehot lies in [-1, 1]: 2**15 keeps the largest under e5m2's
-# 57,344, and probabilities down to ~5e-10 stay representable. The logits are written
-# once in bf16 and read by the kernel; the gradient is half their size. cuBLAS's FP8
-# matmuls take both operands K-major only, hence the transposed copies for the
-# gradients (the weight's is small; the gradient's is the one large extra pass).
+# The FP8 form (model.float8_head): the logits in bf16, the two gradient matmuls through
+# torch._scaled_mm. The logits stay bf16 because they set the loss and the softmax: e4m3
+# logits (3 mantissa bits in both operands) raised a trained model's loss by ~1% and put
+# 7-14% of error into both gradients (7x the bf16 op's), which cost 2.2% of validation
+# loss at equal steps in the 124M preset's time-to-quality run (BENCHMARKS.md, issue 33).
+# The gradients take FP8 well: the input and the weight go to e4m3 with per-tensor
+# power-of-two scales from their absolute maxima (a power of two scales exactly, so the
+# cast never overflows); the logits' gradient goes to e5m2 straight from the
+# cross-entropy kernel with a fixed scale, since every entry of softmax - onehot lies in
+# [-1, 1]: 2**15 keeps the largest under e5m2's 57,344, and probabilities down to ~5e-10
+# stay representable. The gradient is half the logits' size. cuBLAS's FP8 matmuls take
+# both operands K-major only, hence the transposed copies (the gradient's is the one
+# large extra pass).
 G_SCALE = 2.0**15
 E4M3_MAX = 448.0
 
@@ -210,20 +213,19 @@ def _e4m3(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (t * scale.to(t.dtype)).to(torch.float8_e4m3fn), scale.reciprocal()
 
 
-def _e4m3_both(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(t in e4m3, the dequantisation scale, t transposed in e4m3): _e4m3 and transpose of
-    its result; on CUDA one amax reduction and one Triton pass instead of a dozen kernels."""
+def _e4m3_t(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t transposed in e4m3, contiguous; the dequantisation scale): _e4m3 then transpose;
+    on CUDA one amax reduction and one Triton pass instead of a dozen kernels."""
     if not (triton_available(t.device) and t.is_contiguous()):
         t8, inv = _e4m3(t)
-        return t8, inv, transpose(t8)
+        return transpose(t8), inv
     m, n = t.shape
     amax = torch.linalg.vector_norm(t, float("inf"))
-    t8 = torch.empty((m, n), dtype=torch.float8_e4m3fn, device=t.device)
     t8_t = torch.empty((n, m), dtype=torch.float8_e4m3fn, device=t.device)
     inv = torch.empty((), dtype=torch.float32, device=t.device)
     grid = (triton.cdiv(m, 64), triton.cdiv(n, 128))
-    _e4m3_kernel[grid](t, amax, t8, t8_t, inv, m, n, MAX=E4M3_MAX, BM=64, BN=128)
-    return t8, inv, t8_t
+    _e4m3_t_kernel[grid](t, amax, t8_t, inv, m, n, MAX=E4M3_MAX, BM=64, BN=128)
+    return t8_t, inv
 
 
 def transpose(t: torch.Tensor) -> torch.Tensor:
@@ -248,10 +250,12 @@ def fp8_shapes_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def _linear_ce_fp8(
     x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """linear_ce with FP8 matmuls (see above); the same outputs and dtypes."""
-    x8, x_inv, x8_t = _e4m3_both(x)
-    w8, w_inv, w8_t = _e4m3_both(weight.to(x.dtype))
-    logits = torch._scaled_mm(x8, w8.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=x.dtype)
+    """linear_ce with FP8 gradient matmuls (see above); the same outputs and dtypes, and
+    the same loss (the logits are the bf16 op's)."""
+    w = weight.to(x.dtype)
+    logits = x @ w.t()
+    x8_t, x_inv = _e4m3_t(x)
+    w8_t, w_inv = _e4m3_t(w)
     g8 = torch.empty(logits.shape, dtype=torch.float8_e5m2, device=x.device)
     losses = ce_grad_(logits, targets, out=g8, out_scale=G_SCALE)
     del logits
@@ -297,6 +301,6 @@ def linear_cross_entropy(
     """sum over rows of cross_entropy(x @ weight.T, targets, ignore_index=-100), for
     training: x (N, C) in the compute dtype (bf16 under autocast), weight (V, C), targets
     (N,) int64. The gradients are computed in the forward (see the module docstring).
-    `fp8`: the matmuls in FP8 (see G_SCALE's comment) where the shapes allow it."""
+    `fp8`: the gradient matmuls in FP8 (see G_SCALE's comment) where the shapes allow it."""
     fp8 = fp8 and fp8_shapes_ok(x, weight)
     return _LinearCrossEntropy.apply(x, weight, targets.long(), fp8)
