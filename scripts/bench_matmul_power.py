@@ -7,8 +7,9 @@ memory in use, or by the layout cuBLAS gets?
 Shape by default: the 1B preset's gate/up matmul over one 8 x 2048 micro-batch. Sections:
 1. the forward (x @ W.t()) into one output buffer, then with outputs or inputs spread
    round-robin over 8-48 GiB (address translation);
-2. the forward, dx = g @ W and dW = g.t() @ x, each sustained for --seconds (the three
-   layouts a step runs), with nvidia-smi's power, SM clock and clock-limit reasons at the end;
+2. the forward (into a row-major and into a column-major output), dx = g @ W and
+   dW = g.t() @ x, each sustained for --seconds (the layouts a step may run), with
+   nvidia-smi's power, SM clock and clock-limit reasons at the end;
 3. the forward on operands of training's magnitudes (random, weights at init, 1e-5
    gradients, zeros): under a power cap the values set the power drawn, and so the clock.
 BENCHMARKS.md (issue 33, "Eighth session") has the figures."""
@@ -97,8 +98,10 @@ def main() -> None:
         ins.clear()
         torch.cuda.empty_cache()
 
+    yT = torch.empty(N, M, **bf)
     layouts = {
         "forward y = x @ W.t()": lambda: torch.mm(x, W.t(), out=y),
+        "forward, y column-major: y.t() = W @ x.t()": lambda: torch.mm(W, x.t(), out=yT),
         "backward dx = g @ W": lambda: torch.mm(g, W, out=dx),
         "backward dW = g.t() @ x": lambda: torch.mm(g.t(), x, out=dW),
     }

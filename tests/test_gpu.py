@@ -483,6 +483,34 @@ def test_a_micro_batch_too_large_for_the_gpu_ends_in_one_line(tmp_path=None):
     assert "a smaller --data.batch_size (now 256" in line and "expandable_segments:True" in line
 
 
+@needs_cuda
+def test_profile_names_the_kernel_of_each_matmul(tmp_path=None):
+    """--profile_steps on the GPU: every matmul shape of the summary names the kernel that
+    ran it (cuBLAS's name carries the operands' layouts)."""
+    import json
+
+    from pytrain.config import parse_args
+    from pytrain.train.trainer import Trainer
+
+    tmp_path = tmp_path or Path(tempfile.mkdtemp())
+    _loader.write_synthetic(str(tmp_path / "ds"), 1500, mu=5.0, sigma=1.0, vocab=4096, seed=6)
+    cfg = parse_args(
+        [
+            "--data.path", str(tmp_path / "ds"), "--out_dir", str(tmp_path / "runs"),
+            "--model.n_layer", "2", "--model.d_model", "128", "--data.seq_len", "256",
+            "--data.batch_size", "4", "--max_steps", "5", "--profile_steps", "2:4",
+            "--eval_every", "0", "--ckpt_every", "0", "--samples", "0", "--no-progress",
+            "--no-tensorboard", "--name", "prof",
+        ]
+    )  # fmt: skip
+    t = Trainer(cfg)
+    t.fit()
+    t.close()
+    summary = json.loads((tmp_path / "runs" / "prof" / "profile" / "summary.json").read_text())
+    matmuls = summary["matmuls"]
+    assert matmuls and all(m["kernel"] != "-" for m in matmuls), matmuls
+
+
 def torchao_available() -> bool:
     try:
         import torchao.float8  # noqa: F401
@@ -547,6 +575,7 @@ if __name__ == "__main__":
     test_cli_run_with_evaluation_checkpoints_and_resume()
     test_async_checkpoint_snapshot_of_device_tensors()
     test_a_micro_batch_too_large_for_the_gpu_ends_in_one_line()
+    test_profile_names_the_kernel_of_each_matmul()
     ran = [
         "copy",
         "guard",
@@ -556,6 +585,7 @@ if __name__ == "__main__":
         "cli",
         "async_ckpt",
         "oom",
+        "profile",
     ]
     if fp8_gpu():
         test_fp8_head_kernel_rounds_to_nearest_and_matches_the_emulation()

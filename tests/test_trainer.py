@@ -318,6 +318,8 @@ def test_profile_window_writes_a_trace_and_a_summary(small_corpus, tmp_path):
     # Forward and backward apart: the backward of x @ W.T multiplies by the (out, in) weight.
     assert {m["pass"] for m in matmuls} == {"forward", "backward"}, matmuls
     assert "| pass | matmul | input shapes |" in (out / "summary.md").read_text()
+    # The kernel each shape ran: none on the CPU (tests/test_gpu.py checks cuBLAS's names).
+    assert all(m["kernel"] == "-" for m in matmuls), matmuls
     t.close()
     with pytest.raises(ValueError, match="profile_steps '3:1'"):
         Trainer(small_cfg(small_corpus, tmp_path / "b", "--profile_steps", "3:1"))

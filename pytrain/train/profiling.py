@@ -115,10 +115,12 @@ def matmuls_by_shape(prof: torch.profiler.profile, steps: int, top: int = 16) ->
             continue
         shapes = [list(x) for x in evt.input_shapes if x][:3]
         us = (getattr(evt, "device_time_total", 0.0) or 0.0) or evt.cpu_time_total
-        acc = groups.setdefault((_pass(evt), evt.name, str(shapes)), [0, 0.0, 0.0])
+        acc = groups.setdefault((_pass(evt), evt.name, str(shapes)), [0, 0.0, 0.0, {}])
         acc[0] += 1
         acc[1] += us
         acc[2] += _matmul_flops(evt.name, evt.input_shapes)
+        for k in _kernels(evt):
+            acc[3][k.name] = acc[3].get(k.name, 0.0) + k.duration
     rows = [
         {
             "pass": phase,
@@ -127,10 +129,18 @@ def matmuls_by_shape(prof: torch.profiler.profile, steps: int, top: int = 16) ->
             "calls": n / steps,
             "ms": us / 1e3 / steps,
             "tflops": flops / (us * 1e-6) / 1e12 if us > 0 else 0.0,
+            # The kernel that took most of the time: cuBLAS names its operands' layouts
+            # (nvjet_..._NTN), which tells a forward from a backward of one shape apart.
+            "kernel": max(kernels, key=kernels.__getitem__) if kernels else "-",
         }
-        for (phase, op, shapes), (n, us, flops) in groups.items()
+        for (phase, op, shapes), (n, us, flops, kernels) in groups.items()
     ]
     return sorted(rows, key=lambda r: -r["ms"])[:top]
+
+
+def _kernels(evt) -> list:
+    """The device kernels an op launched, its children's included (aten::linear's mm)."""
+    return [*evt.kernels, *(k for child in evt.cpu_children for k in _kernels(child))]
 
 
 def _is_kernel(evt, name: str) -> bool:
@@ -197,11 +207,11 @@ def format_summary(s: dict) -> str:
         "|---|---|",
         *(f"| `{k}` | {v:.3f} |" for k, v in s["top_kernels_ms"]),
         "",
-        "| pass | matmul | input shapes | calls per step | ms per step | TFLOP/s |",
-        "|---|---|---|---|---|---|",
+        "| pass | matmul | input shapes | calls per step | ms per step | TFLOP/s | kernel |",
+        "|---|---|---|---|---|---|---|",
         *(
             f"| {m.get('pass', '-')} | {m['op']} | {m['shapes']} | {m['calls']:g} | {m['ms']:.3f} "
-            f"| {m['tflops']:.3g} |"
+            f"| {m['tflops']:.3g} | `{m.get('kernel', '-')}` |"
             for m in s.get("matmuls", [])
         ),  # fmt: skip
         "",
