@@ -448,6 +448,16 @@ def read_manifest(path: Path | str) -> dict:
     return json.loads(data)
 
 
+def manifest_tokenizer(path: Path | str) -> dict | None:
+    """The manifest's tokenizer block ({} where it has none), or None where the manifest
+    cannot be read: the start-time tokenizer checks leave that dataset to the loader, which
+    names what is wrong with it."""
+    try:
+        return read_manifest(path).get("tokenizer", {})
+    except (OSError, ValueError, _loader.LoaderError):
+        return None
+
+
 def verify(path: Path | str) -> dict:
     """Checks every checksum and that the manifest's totals match the shards."""
     ds = _loader.Dataset(str(path))

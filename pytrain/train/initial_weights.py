@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from pytrain.config import ConfigError, TrainConfig
-from pytrain.data.shards import read_manifest
+from pytrain.data.shards import manifest_tokenizer
 from pytrain.data.tokenizer import for_packing, load_tokenizer
 from pytrain.model.config import ARCHITECTURE, ModelConfig
 from pytrain.model.gpt import GPT
@@ -67,10 +67,7 @@ def tokenizer_notes(tokenizer: Path, datasets: tuple[str, ...]) -> list[str]:
     ours = hashlib.sha256(tok.to_str().encode()).hexdigest()
     notes = []
     for d in datasets:
-        try:
-            theirs = read_manifest(d).get("tokenizer", {}).get("sha256")
-        except (FileNotFoundError, OSError, ValueError):
-            continue  # the loader reports a dataset it cannot read
+        theirs = (manifest_tokenizer(d) or {}).get("sha256")
         if theirs and theirs != ours:
             notes.append(
                 f"note: {d} was packed with another tokenizer than {tokenizer} (settings hash "

@@ -61,28 +61,20 @@ def same_tokenizer(sets: list[tuple[str, Path | str]]) -> None:
     by its manifest's vocabulary and settings hash: a mixture's sources and the validation
     sets hold ids that must mean the same tokens (a validation set packed with another
     tokenizer gave a loss with no meaning). Raises ConfigError naming both otherwise."""
-    from pytrain import _loader
-    from pytrain.data.shards import read_manifest
-
-    def tokenizer(path: Path | str) -> dict | None:
-        try:
-            return read_manifest(path).get("tokenizer", {})
-        except (OSError, ValueError, _loader.LoaderError):
-            return None  # the loader names a dataset it cannot read (or reach)
+    from pytrain.data.shards import manifest_tokenizer
 
     def described(t: dict) -> str:
         return (f"{t.get('name')}: vocabulary {t.get('vocab_size')}, settings hash "
                 f"{(t.get('sha256') or 'none')[:12]}")  # fmt: skip
 
+    def key(t: dict) -> tuple:
+        return t.get("vocab_size"), t.get("sha256")
+
     (flag0, path0), *rest = sets
-    if (t0 := tokenizer(path0)) is None:
+    if (t0 := manifest_tokenizer(path0)) is None:
         return
     for flag, path in rest:
-        t = tokenizer(path)
-        if t is not None and (t.get("vocab_size"), t.get("sha256")) != (
-            t0.get("vocab_size"),
-            t0.get("sha256"),
-        ):
+        if (t := manifest_tokenizer(path)) is not None and key(t) != key(t0):
             raise ConfigError(
                 f"{flag} {path} was packed with another tokenizer than {flag0} {path0} "
                 f"({described(t)}; against {described(t0)}): its ids would mean other "
