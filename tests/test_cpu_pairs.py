@@ -1,0 +1,57 @@
+"""scripts/cpu_pairs.py: hyperthread pairs from timings, and the --cpus order it prints."""
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+spec = importlib.util.spec_from_file_location("cpu_pairs", ROOT / "scripts/cpu_pairs.py")
+assert spec is not None and spec.loader is not None
+cpu_pairs = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(cpu_pairs)
+
+
+def _host(sibling_of: dict[int, int], tried: list):
+    """A slowdown as a host whose CPU c shares its core with sibling_of[c] would time it."""
+
+    def slowdown(a: int, b: int) -> float:
+        tried.append((a, b))
+        return 1.6 if sibling_of.get(a) == b else 1.05
+
+    return slowdown
+
+
+def test_siblings_eight_apart_are_paired_and_put_next_to_each_other():
+    cpus = list(range(16))
+    sib = {c: (c + 8) % 16 for c in cpus}
+    tried: list = []
+    found, alone = cpu_pairs.pairs(cpus, _host(sib, tried), 1.25)
+    assert [(a, b) for a, b, _ in found] == [(c, c + 8) for c in range(8)]
+    assert alone == []
+    order = cpu_pairs.ordered(found, alone)
+    assert order[:4] == [0, 8, 1, 9] and sorted(order) == cpus
+    # a pair found ends the search for that CPU: 8 tries for each of the first 8 CPUs at most
+    assert len(tried) <= 8 * 8
+
+
+def test_adjacent_siblings_and_cpus_without_one():
+    cpus = [0, 1, 2, 3, 4]
+    sib = {0: 1, 1: 0, 2: 3, 3: 2}  # CPU 4 has its core to itself
+    found, alone = cpu_pairs.pairs(cpus, _host(sib, []), 1.25)
+    assert [(a, b) for a, b, _ in found] == [(0, 1), (2, 3)]
+    assert alone == [4]
+    assert cpu_pairs.ordered(found, alone) == [0, 1, 2, 3, 4]
+
+
+def test_no_pairs_below_the_threshold_keeps_the_input_order():
+    cpus = [3, 1, 2]
+    found, alone = cpu_pairs.pairs(cpus, lambda a, b: 1.2, 1.25)
+    assert found == [] and cpu_pairs.ordered(found, alone) == [3, 1, 2]
+
+
+def test_the_busy_loop_runs_on_the_cpus_it_is_given():
+    cpu = sorted(os.sched_getaffinity(0))[0]
+    times = cpu_pairs.run_on([cpu], 20_000)
+    assert list(times) == [cpu] and times[cpu] > 0
