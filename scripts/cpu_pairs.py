@@ -116,7 +116,18 @@ def main() -> None:
         help="slowdown that marks siblings (hyperthreads: 1.5-1.9x)",
     )
     args = p.parse_args()
-    cpus = cpu_list(args.cpus) if args.cpus else sorted(os.sched_getaffinity(0))
+    usable = sorted(os.sched_getaffinity(0))
+    try:
+        cpus = list(dict.fromkeys(cpu_list(args.cpus))) if args.cpus else usable
+    except ValueError:
+        raise SystemExit(
+            f"--cpus {args.cpus!r}: expected CPUs as taskset lists them, e.g. 0-15"
+        ) from None
+    if unknown := sorted(set(cpus) - set(usable)):
+        shown = ",".join(map(str, unknown[:8])) + (
+            f" and {len(unknown) - 8} more" if len(unknown) > 8 else ""
+        )
+        raise SystemExit(f"--cpus: CPU {shown} not among the {len(usable)} this process may use")
     n = 200_000
     while (t := run_on(cpus[:1], n, 1)[cpus[0]]) < args.seconds / 4:  # calibrated on one CPU
         n *= 4

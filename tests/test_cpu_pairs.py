@@ -55,3 +55,12 @@ def test_the_busy_loop_runs_on_the_cpus_it_is_given():
     cpu = sorted(os.sched_getaffinity(0))[0]
     times = cpu_pairs.run_on([cpu], 20_000)
     assert list(times) == [cpu] and times[cpu] > 0
+
+
+def test_cpus_this_process_may_not_use_end_in_one_line():
+    import subprocess
+
+    for spec, words in (("0-9999", "not among the"), ("a-b", "expected CPUs")):
+        r = subprocess.run([sys.executable, str(ROOT / "scripts/cpu_pairs.py"), "--cpus", spec],
+                           capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert r.returncode == 1 and words in r.stderr and "Traceback" not in r.stderr, r.stderr
