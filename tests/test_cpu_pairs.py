@@ -32,8 +32,8 @@ def test_siblings_eight_apart_are_paired_and_put_next_to_each_other():
     assert alone == []
     order = cpu_pairs.ordered(found, alone)
     assert order[:4] == [0, 8, 1, 9] and sorted(order) == cpus
-    # a pair found ends the search for that CPU: 8 tries for each of the first 8 CPUs at most
-    assert len(tried) <= 8 * 8
+    # the first pair's distance is tried first for the others: 8 tries for CPU 0, then 1 each
+    assert len(tried) == 8 + 7
 
 
 def test_adjacent_siblings_and_cpus_without_one():
@@ -64,3 +64,22 @@ def test_cpus_this_process_may_not_use_end_in_one_line():
         r = subprocess.run([sys.executable, str(ROOT / "scripts/cpu_pairs.py"), "--cpus", spec],
                            capture_output=True, text=True, timeout=60)  # fmt: skip
         assert r.returncode == 1 and words in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_one_cpu_a_core_takes_one_of_each_pair_and_the_unpaired():
+    found = [(0, 8, 1.6), (1, 9, 1.7)]
+    assert cpu_pairs.one_per_core(found, [5]) == [0, 1, 5]
+
+
+def test_a_host_of_64_with_siblings_32_apart_takes_a_try_a_cpu():
+    cpus = list(range(64))
+    tried: list = []
+    found, alone = cpu_pairs.pairs(cpus, _host({c: (c + 32) % 64 for c in cpus}, tried), 1.4)
+    assert len(found) == 32 and alone == [] and len(tried) == 32 + 31
+
+
+def test_an_irregular_layout_is_still_paired_by_scanning():
+    cpus = [0, 1, 2, 3, 4, 5]
+    sib = {0: 3, 3: 0, 1: 2, 2: 1, 4: 5, 5: 4}
+    found, alone = cpu_pairs.pairs(cpus, _host(sib, []), 1.4)
+    assert sorted((a, b) for a, b, _ in found) == [(0, 3), (1, 2), (4, 5)] and alone == []
