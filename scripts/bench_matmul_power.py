@@ -9,7 +9,7 @@ Shape by default: the 1B preset's gate/up matmul over one 8 x 2048 micro-batch. 
    round-robin over 8-48 GiB (address translation);
 2. the forward (into a row-major and into a column-major output), dx = g @ W and
    dW = g.t() @ x, each sustained for --seconds (the layouts a step may run), with
-   nvidia-smi's power, SM clock and clock-limit reasons at the end;
+   nvidia-smi's power, SM clock and clock-limit reasons at the end, and the kernel cuBLAS ran;
 3. the forward on operands of training's magnitudes (random, weights at init, 1e-5
    gradients, zeros): under a power cap the values set the power drawn, and so the clock.
 BENCHMARKS.md (issue 33, "Eighth session") has the figures."""
@@ -52,6 +52,19 @@ def sustained(fn: Callable[[], object], flop: float, seconds: float) -> list[int
         e.synchronize()
         rates.append(round(100 * flop / (s.elapsed_time(e) * 1e-3) / 1e12))
     return rates
+
+
+def kernel_of(fn: Callable[[], object]) -> str:
+    """The device kernel that took most of three calls: cuBLAS picks it by shape, layout,
+    alignment and workspace, so a step's profile (its matmul table names the kernels too)
+    shows whether the step ran the same one."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+    times = {e.key: e.self_device_time_total for e in prof.key_averages()}
+    times = {k: us for k, us in times.items() if us > 0}
+    return max(times, key=times.__getitem__) if times else "-"
 
 
 def cycling(bufs: list[torch.Tensor], call: Callable[[torch.Tensor], object]) -> Callable[[], None]:
@@ -107,7 +120,10 @@ def main() -> None:
     }
     for name, fn in layouts.items():
         r = sustained(fn, flop, args.seconds)
-        print(f"{name}: TFLOP/s {r[:3]} ... {r[-3:]}; smi at end: {smi()}", flush=True)
+        print(
+            f"{name}: TFLOP/s {r[:3]} ... {r[-3:]}; smi at end: {smi()}; kernel {kernel_of(fn)}",
+            flush=True,
+        )
 
     cases = {
         "random x random": (x, W),
