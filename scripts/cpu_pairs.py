@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import queue
 import sys
 import time
 from collections.abc import Callable
@@ -55,7 +56,13 @@ def run_on(cpus: list[int], n: int, tries: int = 3) -> dict[int, float]:
         procs = [ctx.Process(target=_timed, args=(c, n, start, out)) for c in cpus]
         for p in procs:
             p.start()
-        for c, t in (out.get() for _ in procs):
+        for _ in procs:
+            try:  # a child that died (killed, out of memory) must not hang the rest
+                c, t = out.get(timeout=120)
+            except queue.Empty:
+                raise SystemExit(
+                    f"a timing process on CPUs {cpus} gave no result in 120 s"
+                ) from None
             best[c] = min(t, best.get(c, t))
         for p in procs:
             p.join()
