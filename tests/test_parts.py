@@ -6,6 +6,7 @@ exactly these commands) and as Ray tasks on a local Ray cluster."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -190,4 +191,63 @@ def test_ray_tasks_on_a_local_cluster_pack_the_parts(corpus, bpe_tokenizer_file,
         ray.shutdown()
     assert sum(counts) == 40
     merge(out)
+    assert documents(out) == documents(single)
+
+
+def _slurm_up() -> bool:
+    """A Slurm controller answers and has a node to run on (else the Slurm test skips)."""
+    import shutil
+
+    if not shutil.which("sbatch") or not shutil.which("sinfo"):
+        return False
+    try:
+        r = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:  # a controller that does not answer
+        return False
+    return r.returncode == 0 and any(s in r.stdout for s in ("idle", "mix"))
+
+
+@pytest.mark.skipif(not _slurm_up(), reason="needs a running Slurm (sbatch, sinfo, an idle node)")
+def test_a_slurm_array_as_the_readme_runs_it_equals_one_pack_and_reruns_a_failed_element(
+    corpus, bpe_tokenizer_file, single, tmp_path
+):
+    """README's Slurm array on a real Slurm: an array of `--task $SLURM_ARRAY_TASK_ID` elements,
+    the merge as a job that depends on them (afterok). Element 1 fails on its first run (as a
+    preempted or crashed task would), so the merge never runs and is cancelled; element 1 is
+    rerun alone, the finished parts are not rewritten, and the merge then gives one pack's
+    documents."""
+    n, out = 3, tmp_path / "web"
+    pack_cmd = (f"{sys.executable} -m pytrain.pack_shards {corpus} -o {out} --tokenizer "
+                f"{bpe_tokenizer_file} --task $SLURM_ARRAY_TASK_ID --tasks {n} "
+                "--shard-mib 0.05 --frame-mib 0.01")  # fmt: skip
+    fail_once = 'if [ "$SLURM_ARRAY_TASK_ID" = 1 ] && [ ! -e failed-once ]; then touch failed-once; exit 1; fi; '
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+
+    def sbatch(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["sbatch", "--parsable", *args], capture_output=True, text=True,
+                              cwd=tmp_path, env=env, timeout=600)  # fmt: skip
+
+    first = sbatch(
+        "--wait", f"--array=0-{n - 1}", "--cpus-per-task=1", "--wrap", fail_once + pack_cmd
+    )
+    assert first.returncode != 0  # one element failed: the array's state is FAILED
+    jid = first.stdout.strip().split(";")[0]
+    merge = sbatch("--wait", f"--dependency=afterok:{jid}", "--kill-on-invalid-dep=yes", "--wrap",
+                   f"{sys.executable} -m pytrain.pack_shards merge {out}")  # fmt: skip
+    # The merge never ran: Slurm cancelled it (sbatch --wait exits 0 for a cancelled job).
+    state = subprocess.run(["scontrol", "show", "job", merge.stdout.strip()], capture_output=True,
+                           text=True, timeout=30).stdout  # fmt: skip
+    assert "JobState=CANCELLED" in state and "DependencyNeverSatisfied" in state, state
+    assert not (out / "manifest.json").exists()
+    done = {
+        i: (out / f"part-{i:05d}-of-{n:05d}" / "manifest.json").stat().st_mtime_ns for i in (0, 2)
+    }
+
+    again = sbatch("--wait", "--array=1", "--cpus-per-task=1", "--wrap", fail_once + pack_cmd)
+    assert again.returncode == 0, again.stderr
+    merge = sbatch("--wait", "--wrap", f"{sys.executable} -m pytrain.pack_shards merge {out}")
+    assert merge.returncode == 0, merge.stderr
+    assert {
+        i: (out / f"part-{i:05d}-of-{n:05d}" / "manifest.json").stat().st_mtime_ns for i in (0, 2)
+    } == done
     assert documents(out) == documents(single)
