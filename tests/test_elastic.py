@@ -212,3 +212,65 @@ def test_more_ranks_than_gpus_is_one_line_naming_the_gpus(monkeypatch):
     distributed.check_gpu(
         distributed.DistInfo(rank=1, world_size=2, local_rank=1), torch.device("cuda:1")
     )
+
+
+def _slurm_up() -> bool:
+    """A Slurm controller answers and has a node to run on (else the Slurm tests skip)."""
+    if not shutil.which("sbatch") or not shutil.which("scontrol"):
+        return False
+    try:
+        r = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=30)
+    except (subprocess.TimeoutExpired, FileNotFoundError):
+        return False
+    return r.returncode == 0 and any(s in r.stdout for s in ("idle", "mix"))
+
+
+def _job_state(job: str) -> str:
+    r = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, timeout=30)
+    m = re.search(r"JobState=(\S+)", r.stdout)
+    return m.group(1) if m else "GONE"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not _slurm_up(), reason="needs a running Slurm (sbatch, scontrol, an idle node)"
+)
+def test_the_slurm_script_under_slurm_is_requeued_and_resumes(small_corpus, tmp_path):
+    """examples/slurm/pretrain.sbatch submitted to a real Slurm (one node, two CPU ranks, no
+    GPUs): srun starts the torchrun agent; `scontrol requeue` (what the script's time-limit
+    trap and a preemption do) sends SIGTERM through srun and the agent to the workers, which
+    write a checkpoint; the requeued job runs the script again and resumes there."""
+    (tmp_path / "runs").mkdir()
+    env = {**ENV, "CONFIG": str(ROOT / "configs/cpu-default.toml"), "NAME": "slurm-real",
+           "GPUS_PER_NODE": "2", "MASTER_PORT": str(next(_ports)),
+           "PATH": f"{Path(sys.executable).parent}:{ENV['PATH']}"}  # fmt: skip
+    flags = [*cfg_args(small_corpus, tmp_path), "--eval_every", "0", "--samples", "0",
+             "--ckpt_every", "5", "--max_steps", "300", "--log_every", "1"]  # fmt: skip
+    r = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0", "--cpus-per-task=2",
+                        "--time=10", str(ROOT / "examples/slurm/pretrain.sbatch"), *flags],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    job, run = r.stdout.strip(), tmp_path / "runs" / "slurm-real"
+    out = tmp_path / "runs" / f"slurm-pytrain-{job}.out"
+    try:
+        t0 = time.monotonic()
+        while not ((run / "train.log").exists() and max(step_losses(run), default=0) >= 10):
+            assert time.monotonic() - t0 < 240 and _job_state(job) in ("PENDING", "RUNNING"), (
+                out.read_text()[-3000:] if out.exists() else _job_state(job)
+            )
+            time.sleep(0.5)
+        subprocess.run(["scontrol", "requeue", job], check=True, timeout=30)
+        # Slurm holds a requeued job ~2 minutes (BeginTime); let it start when it is pending.
+        t0 = time.monotonic()
+        while _job_state(job) not in ("COMPLETED", "FAILED", "CANCELLED", "GONE"):
+            assert time.monotonic() - t0 < 400, out.read_text()[-3000:]
+            if _job_state(job) == "PENDING":
+                subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], timeout=30)
+            time.sleep(1)
+    finally:
+        subprocess.run(["scancel", job], timeout=30)
+    log = out.read_text()
+    stopped = re.search(r"stopped at step (\d+) by SIGTERM; checkpoint (\S+?);", log)
+    assert stopped, log[-3000:]
+    assert f"resumed from {stopped.group(2)} at step {stopped.group(1)}" in log, log[-3000:]
+    assert _job_state(job) in ("COMPLETED", "GONE") and max(step_losses(run)) == 300
