@@ -231,27 +231,47 @@ def _job_state(job: str) -> str:
     return m.group(1) if m else "GONE"
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(
-    not _slurm_up(), reason="needs a running Slurm (sbatch, scontrol, an idle node)"
-)
-def test_the_slurm_script_under_slurm_is_requeued_and_resumes(small_corpus, tmp_path):
-    """examples/slurm/pretrain.sbatch submitted to a real Slurm (one node, two CPU ranks, no
-    GPUs): srun starts the torchrun agent; `scontrol requeue` (what the script's time-limit
-    trap and a preemption do) sends SIGTERM through srun and the agent to the workers, which
-    write a checkpoint; the requeued job runs the script again and resumes there."""
-    (tmp_path / "runs").mkdir()
-    env = {**ENV, "CONFIG": str(ROOT / "configs/cpu-default.toml"), "NAME": "slurm-real",
+def _sbatch_script(small_corpus, tmp_path, name: str, minutes: int, *flags: str) -> str:
+    """Submits examples/slurm/pretrain.sbatch (one node, two CPU ranks, no GPUs) from
+    tmp_path with a time limit of `minutes`; returns the job id."""
+    (tmp_path / "runs").mkdir(exist_ok=True)
+    env = {**ENV, "CONFIG": str(ROOT / "configs/cpu-default.toml"), "NAME": name,
            "GPUS_PER_NODE": "2", "MASTER_PORT": str(next(_ports)),
            "PATH": f"{Path(sys.executable).parent}:{ENV['PATH']}"}  # fmt: skip
-    flags = [*cfg_args(small_corpus, tmp_path), "--eval_every", "0", "--samples", "0",
-             "--ckpt_every", "5", "--max_steps", "300", "--log_every", "1"]  # fmt: skip
     r = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0", "--cpus-per-task=2",
-                        "--time=10", str(ROOT / "examples/slurm/pretrain.sbatch"), *flags],
+                        f"--time={minutes}", str(ROOT / "examples/slurm/pretrain.sbatch"),
+                        *cfg_args(small_corpus, tmp_path), "--eval_every", "0", "--samples", "0",
+                        "--log_every", "1", *flags],
                        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)  # fmt: skip
     assert r.returncode == 0, r.stderr
-    job, run = r.stdout.strip(), tmp_path / "runs" / "slurm-real"
-    out = tmp_path / "runs" / f"slurm-pytrain-{job}.out"
+    return r.stdout.strip()
+
+
+def _release_when_requeued(job: str) -> None:
+    """Slurm holds a requeued job ~2 minutes (its BeginTime): start it now if it is pending."""
+    if _job_state(job) == "PENDING":
+        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], timeout=30)
+
+
+def _stopped_then_resumed(log: str) -> None:
+    stopped = re.search(r"stopped at step (\d+) by SIGTERM; checkpoint (\S+?);", log)
+    assert stopped, log[-3000:]
+    assert f"resumed from {stopped.group(2)} at step {stopped.group(1)}" in log, log[-3000:]
+
+
+SLURM = pytest.mark.skipif(not _slurm_up(), reason="needs a running Slurm (sbatch, scontrol, an idle node)")  # fmt: skip
+
+
+@pytest.mark.slow
+@SLURM
+def test_the_slurm_script_under_slurm_is_requeued_and_resumes(small_corpus, tmp_path):
+    """examples/slurm/pretrain.sbatch submitted to a real Slurm: srun starts the torchrun
+    agent; `scontrol requeue` (what a preemption does) sends SIGTERM through srun and the
+    agent to the workers, which write a checkpoint; the requeued job runs the script again,
+    resumes there and finishes."""
+    job = _sbatch_script(small_corpus, tmp_path, "slurm-real", 10, "--ckpt_every", "5",
+                         "--max_steps", "300")  # fmt: skip
+    run, out = tmp_path / "runs" / "slurm-real", tmp_path / "runs" / f"slurm-pytrain-{job}.out"
     try:
         t0 = time.monotonic()
         while not ((run / "train.log").exists() and max(step_losses(run), default=0) >= 10):
@@ -260,17 +280,38 @@ def test_the_slurm_script_under_slurm_is_requeued_and_resumes(small_corpus, tmp_
             )
             time.sleep(0.5)
         subprocess.run(["scontrol", "requeue", job], check=True, timeout=30)
-        # Slurm holds a requeued job ~2 minutes (BeginTime); let it start when it is pending.
         t0 = time.monotonic()
         while _job_state(job) not in ("COMPLETED", "FAILED", "CANCELLED", "GONE"):
             assert time.monotonic() - t0 < 400, out.read_text()[-3000:]
-            if _job_state(job) == "PENDING":
-                subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], timeout=30)
+            _release_when_requeued(job)
+            time.sleep(1)
+    finally:
+        subprocess.run(["scancel", job], timeout=30)
+    _stopped_then_resumed(out.read_text())
+    assert _job_state(job) in ("COMPLETED", "GONE") and max(step_losses(run)) == 300
+
+
+@pytest.mark.slow
+@SLURM
+def test_the_slurm_script_requeues_itself_before_its_time_limit(small_corpus, tmp_path):
+    """The script's own time-limit path on a real Slurm: with --time=4, Slurm sends the batch
+    shell USR1 3 minutes before the end (`--signal=B:USR1@180`), the trap requeues the job
+    while `wait` keeps the shell alive, the workers checkpoint on SIGTERM, and the requeued
+    job resumes from that checkpoint (then the test cancels it)."""
+    job = _sbatch_script(small_corpus, tmp_path, "slurm-limit", 4, "--ckpt_every", "50",
+                         "--max_steps", "1000000")  # fmt: skip
+    out = tmp_path / "runs" / f"slurm-pytrain-{job}.out"
+    try:
+        t0 = time.monotonic()
+        while "resumed from" not in (out.read_text() if out.exists() else ""):
+            assert time.monotonic() - t0 < 300, out.read_text()[-3000:] if out.exists() else job
+            assert _job_state(job) in ("PENDING", "RUNNING", "REQUEUED", "COMPLETING"), _job_state(
+                job
+            )
+            _release_when_requeued(job)
             time.sleep(1)
     finally:
         subprocess.run(["scancel", job], timeout=30)
     log = out.read_text()
-    stopped = re.search(r"stopped at step (\d+) by SIGTERM; checkpoint (\S+?);", log)
-    assert stopped, log[-3000:]
-    assert f"resumed from {stopped.group(2)} at step {stopped.group(1)}" in log, log[-3000:]
-    assert _job_state(job) in ("COMPLETED", "GONE") and max(step_losses(run)) == 300
+    assert f"time limit in 3 minutes: requeueing job {job}" in log, log[-3000:]
+    _stopped_then_resumed(log)
