@@ -259,7 +259,7 @@ def _stopped_then_resumed(log: str) -> None:
     assert f"resumed from {stopped.group(2)} at step {stopped.group(1)}" in log, log[-3000:]
 
 
-SLURM = pytest.mark.skipif(not _slurm_up(), reason="needs a running Slurm (sbatch, scontrol, an idle node)")  # fmt: skip
+SLURM = pytest.mark.skipif(not _slurm_up(), reason="needs a running Slurm (sbatch, scontrol, an idle node; scripts/local_slurm.sh starts one)")  # fmt: skip
 
 
 @pytest.mark.slow

@@ -207,7 +207,10 @@ def _slurm_up() -> bool:
     return r.returncode == 0 and any(s in r.stdout for s in ("idle", "mix"))
 
 
-@pytest.mark.skipif(not _slurm_up(), reason="needs a running Slurm (sbatch, sinfo, an idle node)")
+@pytest.mark.skipif(
+    not _slurm_up(),
+    reason="needs a running Slurm (sbatch, sinfo, an idle node; scripts/local_slurm.sh starts one)",
+)
 def test_a_slurm_array_as_the_readme_runs_it_equals_one_pack_and_reruns_a_failed_element(
     corpus, bpe_tokenizer_file, single, tmp_path
 ):
