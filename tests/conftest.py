@@ -3,6 +3,9 @@ whose token ids say which document and position they came from."""
 
 from __future__ import annotations
 
+import re
+import shutil
+import subprocess
 import sysconfig
 from pathlib import Path
 
@@ -13,6 +16,28 @@ from pytrain.data.shards import PackOptions, document_batches, write_dataset
 from pytrain.data.tokenizer import TokenizerInfo, train_bpe
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
+
+
+def _slurm_up() -> bool:
+    """A Slurm controller answers and has a node to run on (else the Slurm tests skip)."""
+    if not all(shutil.which(b) for b in ("sbatch", "sinfo", "scontrol")):
+        return False
+    try:
+        r = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:  # a controller that does not answer
+        return False
+    return r.returncode == 0 and any(s in r.stdout for s in ("idle", "mix"))
+
+
+SLURM = pytest.mark.skipif(not _slurm_up(), reason="needs a running Slurm (sbatch, sinfo, scontrol, an idle node; scripts/local_slurm.sh starts one)")  # fmt: skip
+"""Marks a test that submits real Slurm jobs."""
+
+
+def slurm_job_state(job: str) -> str:
+    """A job's JobState as scontrol shows it ("GONE" once Slurm has forgotten the job)."""
+    r = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, timeout=30)
+    m = re.search(r"JobState=(\S+)", r.stdout)
+    return m.group(1) if m else "GONE"
 
 
 def stdlib_texts(max_bytes: int) -> list[str]:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed
-from conftest import learnable_docs, write_synthetic
+from conftest import SLURM, learnable_docs, slurm_job_state, write_synthetic
 from test_ddp import cfg_args
 from test_run_safety import ENV, _ports, children, step_losses, train_cmd, wait_for_step
 
@@ -214,23 +214,6 @@ def test_more_ranks_than_gpus_is_one_line_naming_the_gpus(monkeypatch):
     )
 
 
-def _slurm_up() -> bool:
-    """A Slurm controller answers and has a node to run on (else the Slurm tests skip)."""
-    if not shutil.which("sbatch") or not shutil.which("scontrol"):
-        return False
-    try:
-        r = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=30)
-    except (subprocess.TimeoutExpired, FileNotFoundError):
-        return False
-    return r.returncode == 0 and any(s in r.stdout for s in ("idle", "mix"))
-
-
-def _job_state(job: str) -> str:
-    r = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, timeout=30)
-    m = re.search(r"JobState=(\S+)", r.stdout)
-    return m.group(1) if m else "GONE"
-
-
 def _sbatch_script(small_corpus, tmp_path, name: str, minutes: int, *flags: str) -> str:
     """Submits examples/slurm/pretrain.sbatch (one node, two CPU ranks, no GPUs) from
     tmp_path with a time limit of `minutes`; returns the job id."""
@@ -249,7 +232,7 @@ def _sbatch_script(small_corpus, tmp_path, name: str, minutes: int, *flags: str)
 
 def _release_when_requeued(job: str) -> None:
     """Slurm holds a requeued job ~2 minutes (its BeginTime): start it now if it is pending."""
-    if _job_state(job) == "PENDING":
+    if slurm_job_state(job) == "PENDING":
         subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], timeout=30)
 
 
@@ -257,9 +240,6 @@ def _stopped_then_resumed(log: str) -> None:
     stopped = re.search(r"stopped at step (\d+) by SIGTERM; checkpoint (\S+?);", log)
     assert stopped, log[-3000:]
     assert f"resumed from {stopped.group(2)} at step {stopped.group(1)}" in log, log[-3000:]
-
-
-SLURM = pytest.mark.skipif(not _slurm_up(), reason="needs a running Slurm (sbatch, scontrol, an idle node; scripts/local_slurm.sh starts one)")  # fmt: skip
 
 
 @pytest.mark.slow
@@ -275,20 +255,20 @@ def test_the_slurm_script_under_slurm_is_requeued_and_resumes(small_corpus, tmp_
     try:
         t0 = time.monotonic()
         while not ((run / "train.log").exists() and max(step_losses(run), default=0) >= 10):
-            assert time.monotonic() - t0 < 240 and _job_state(job) in ("PENDING", "RUNNING"), (
-                out.read_text()[-3000:] if out.exists() else _job_state(job)
+            assert time.monotonic() - t0 < 240 and slurm_job_state(job) in ("PENDING", "RUNNING"), (
+                out.read_text()[-3000:] if out.exists() else slurm_job_state(job)
             )
             time.sleep(0.5)
         subprocess.run(["scontrol", "requeue", job], check=True, timeout=30)
         t0 = time.monotonic()
-        while _job_state(job) not in ("COMPLETED", "FAILED", "CANCELLED", "GONE"):
+        while slurm_job_state(job) not in ("COMPLETED", "FAILED", "CANCELLED", "GONE"):
             assert time.monotonic() - t0 < 400, out.read_text()[-3000:]
             _release_when_requeued(job)
             time.sleep(1)
     finally:
         subprocess.run(["scancel", job], timeout=30)
     _stopped_then_resumed(out.read_text())
-    assert _job_state(job) in ("COMPLETED", "GONE") and max(step_losses(run)) == 300
+    assert slurm_job_state(job) in ("COMPLETED", "GONE") and max(step_losses(run)) == 300
 
 
 @pytest.mark.slow
@@ -305,8 +285,8 @@ def test_the_slurm_script_requeues_itself_before_its_time_limit(small_corpus, tm
         t0 = time.monotonic()
         while "resumed from" not in (out.read_text() if out.exists() else ""):
             assert time.monotonic() - t0 < 300, out.read_text()[-3000:] if out.exists() else job
-            assert _job_state(job) in ("PENDING", "RUNNING", "REQUEUED", "COMPLETING"), _job_state(
-                job
+            assert slurm_job_state(job) in ("PENDING", "RUNNING", "REQUEUED", "COMPLETING"), (
+                slurm_job_state(job)
             )
             _release_when_requeued(job)
             time.sleep(1)

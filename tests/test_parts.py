@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import stdlib_texts
+from conftest import SLURM, stdlib_texts
 
 from pytrain import _loader
 from pytrain.data.parts import Unit, partition
@@ -194,23 +194,7 @@ def test_ray_tasks_on_a_local_cluster_pack_the_parts(corpus, bpe_tokenizer_file,
     assert documents(out) == documents(single)
 
 
-def _slurm_up() -> bool:
-    """A Slurm controller answers and has a node to run on (else the Slurm test skips)."""
-    import shutil
-
-    if not shutil.which("sbatch") or not shutil.which("sinfo"):
-        return False
-    try:
-        r = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=30)
-    except subprocess.TimeoutExpired:  # a controller that does not answer
-        return False
-    return r.returncode == 0 and any(s in r.stdout for s in ("idle", "mix"))
-
-
-@pytest.mark.skipif(
-    not _slurm_up(),
-    reason="needs a running Slurm (sbatch, sinfo, an idle node; scripts/local_slurm.sh starts one)",
-)
+@SLURM
 def test_a_slurm_array_as_the_readme_runs_it_equals_one_pack_and_reruns_a_failed_element(
     corpus, bpe_tokenizer_file, single, tmp_path
 ):
