@@ -509,6 +509,10 @@ def test_profile_names_the_kernel_of_each_matmul(tmp_path=None):
     summary = json.loads((tmp_path / "runs" / "prof" / "profile" / "summary.json").read_text())
     matmuls = summary["matmuls"]
     assert matmuls and all(m["kernel"] != "-" for m in matmuls), matmuls
+    # Each matmul's time is its own kernels': the rows never sum to more than the matmul
+    # kernels ran (the profiler's device_time_total once counted nested ops twice).
+    rows, kernels = sum(m["ms"] for m in matmuls), summary["categories_ms"]["matmul"]
+    assert 0 < rows <= kernels * 1.001 + 1e-3, (rows, kernels)
 
 
 def torchao_available() -> bool:

@@ -346,6 +346,45 @@ def test_profile_categories(kernel, want):
     assert category(kernel).startswith(want)
 
 
+def test_profile_matmul_time_is_its_own_matmul_kernels():
+    """A matmul's time in the summary is the matmul kernels it launched: an mm nested in
+    another mm is counted once (in the outer one), and a kernel of another kind that the
+    profiler linked to the op is not a matmul's. The profiler's device_time_total, used
+    before, counted such an mm twice (the 1B step's rows summed to more than its matmul
+    kernels ran)."""
+    from torch.autograd.profiler_util import FunctionEvent
+
+    from pytrain.train.profiling import matmuls_by_shape
+
+    def op(i: int, name: str, start: int, end: int, kernels: list) -> FunctionEvent:
+        e = FunctionEvent(i, name, thread=0, start_us=start, end_us=end, use_device="cuda",
+                          input_shapes=[[64, 32], [32, 16]])  # fmt: skip
+        for k, us in kernels:
+            e.append_kernel(k, 0, us)
+        return e
+
+    outer = op(1, "aten::mm", 0, 100, [("nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_TNN", 40.0)])
+    inner = op(2, "aten::mm", 10, 90, [("nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_TNN", 60.0),
+                                       ("triton_poi_fused_add_0", 500.0)])  # fmt: skip
+    outer.append_cpu_child(inner)
+    inner.set_cpu_parent(outer)
+    other = op(
+        3, "aten::addmm", 200, 300, [("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", 10.0)]
+    )
+    other.input_shapes = [[16], [64, 32], [32, 16]]
+
+    class Profile:
+        def events(self):
+            return [outer, inner, other]
+
+    rows = {m["op"]: m for m in matmuls_by_shape(Profile(), steps=2)}
+    assert rows["mm"]["calls"] == 0.5 and rows["mm"]["ms"] == pytest.approx(0.05), rows
+    # 2 M N K = 65,536 FLOP in 100 us of kernels over two steps.
+    assert rows["mm"]["tflops"] == pytest.approx(65536 / 100e-6 / 1e12), rows
+    assert rows["addmm"]["ms"] == pytest.approx(0.005), rows
+    assert rows["mm"]["kernel"].startswith("nvjet"), rows
+
+
 def test_fa4_without_its_gpu_is_a_clear_error():
     from pytrain.model.config import ModelConfig
     from pytrain.model.gpt import GPT
