@@ -8,7 +8,11 @@ The MLP is the model's own module (pytrain.model.gpt.MLP) in bf16 parameters, co
 and each row times one forward and backward of one micro-batch of `--tokens` tokens
 (median of 30 after 5 warm-up calls, CUDA events), with the peak memory it allocated.
 With torchao installed, the same with the block's linear layers in float8 (tensorwise):
-the fused op sits between torchao's layers there, which cast its output themselves."""
+the fused op sits between torchao's layers there, which cast its output themselves.
+
+With quack-kernels installed (flash-attn-4 depends on it), one more bf16 row: the same
+weights through quack's MLP (`quack.mlp.mlp_func`, the SwiGLU inside the epilogues of its
+own CuTe GEMMs, no cuBLAS), with its largest difference from ours."""
 
 from __future__ import annotations
 
@@ -27,26 +31,59 @@ from pytrain.model.config import ModelConfig  # noqa: E402
 from pytrain.model.gpt import MLP  # noqa: E402
 
 
-def mlp_row(args, fused: str, float8: bool) -> tuple[float, float]:
-    """(ms per forward + backward, peak GiB allocated during it) of one compiled MLP."""
+def setup(args, fused: str = "off") -> tuple[MLP, torch.Tensor, torch.Tensor]:
+    """Our MLP in bf16 parameters, an input that wants its gradient, the output's gradient."""
     cfg = ModelConfig(
         d_model=args.d_model, mlp="swiglu", mlp_ratio=args.hidden * 1.5 / args.d_model,
         fused_swiglu=fused,
     )  # fmt: skip
     assert cfg.mlp_hidden == args.hidden, cfg.mlp_hidden
     mlp = MLP(cfg).cuda().bfloat16().train()
-    if float8:
-        from torchao.float8 import convert_to_float8_training
-
-        convert_to_float8_training(mlp)
     x = torch.randn(args.tokens, args.d_model, device="cuda", dtype=torch.bfloat16)
-    x.requires_grad_(True)
-    grad = torch.randn_like(x)
-    step = torch.compile(lambda: mlp(x).backward(grad))
+    return mlp, x.requires_grad_(True), torch.randn_like(x)
+
+
+def timed(step) -> tuple[float, float]:
+    """(ms a call, peak GiB allocated during the calls)."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     ms = time_ms(step)
     return ms, torch.cuda.max_memory_allocated() / 2**30
+
+
+def mlp_row(args, fused: str, float8: bool) -> tuple[float, float]:
+    """(ms per forward + backward, peak GiB allocated during it) of one compiled MLP."""
+    mlp, x, grad = setup(args, fused)
+    if float8:
+        from torchao.float8 import convert_to_float8_training
+
+        convert_to_float8_training(mlp)
+    return timed(torch.compile(lambda: mlp(x).backward(grad)))
+
+
+def quack_row(args) -> tuple[float, float, float, str] | None:
+    """(ms, peak GiB, largest |difference| from our MLP over its largest |output|, how it
+    ran) of quack's gated-GEMM MLP on our MLP's weights; None without quack."""
+    try:
+        from quack.mlp import mlp_func
+    except ImportError:
+        return None
+    mlp, x, grad = setup(args)
+
+    def quack(x):  # our up weight is [gate; up] stacked: quack's concat layout
+        return mlp_func(x, mlp.up.weight, mlp.down.weight, activation="swiglu", concat_layout=True)
+
+    with torch.no_grad():
+        ref, out = mlp(x), quack(x)
+        err = float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
+    how = "compiled"
+    try:
+        step = torch.compile(lambda: quack(x).backward(grad))
+        step()
+    except Exception as e:  # noqa: BLE001 - a row that says why, not a stopped benchmark
+        how = f"eager ({type(e).__name__} under compile)"
+        step = lambda: quack(x).backward(grad)  # noqa: E731
+    return (*timed(step), err, how)
 
 
 def main() -> int:
@@ -64,13 +101,20 @@ def main() -> int:
     except ImportError:
         variants = (False,)
     print("| linear layers | SwiGLU | ms fwd+bwd | peak GiB |\n|---|---|---|---|")
+    bf16_base = None
     for float8 in variants:
         base = None
         for fused in ("off", "on"):
             ms, gib = mlp_row(args, fused, float8)
             base = base or ms
+            bf16_base = bf16_base or ms
             print(f"| {'float8' if float8 else 'bf16'} | {'fused' if fused == 'on' else 'Inductor'} "
                   f"| {ms:.3f} ({base / ms:.2f}x) | {gib:.2f} |", flush=True)  # fmt: skip
+    q = quack_row(args)
+    if q:
+        ms, gib, err, how = q
+        print(f"| bf16 | quack's gated GEMMs ({how}; max diff {err:.1e}) "
+              f"| {ms:.3f} ({bf16_base / ms:.2f}x) | {gib:.2f} |", flush=True)  # fmt: skip
     # The kernels alone: bytes they must move at least, and the bandwidth that makes.
     u = torch.randn(args.tokens, 2 * args.hidden, device="cuda").bfloat16()
     g = torch.randn(args.tokens, args.hidden, device="cuda").bfloat16()
