@@ -513,6 +513,8 @@ def test_profile_names_the_kernel_of_each_matmul(tmp_path=None):
     # kernels ran (the profiler's device_time_total once counted nested ops twice).
     rows, kernels = sum(m["ms"] for m in matmuls), summary["categories_ms"]["matmul"]
     assert 0 < rows <= kernels * 1.001 + 1e-3, (rows, kernels)
+    md = (tmp_path / "runs" / "prof" / "profile" / "summary.md").read_text()
+    assert f"rows above: {rows:.3f} ms per step of the matmul kernels' {kernels:.3f}" in md
 
 
 def torchao_available() -> bool:

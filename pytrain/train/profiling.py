@@ -232,9 +232,15 @@ def format_summary(s: dict) -> str:
             for m in s.get("matmuls", [])
         ),  # fmt: skip
         # The rows' sum can only fall short of the kernels' (the table keeps the top rows):
-        # a sum above it would mean time counted twice.
-        f"rows above: {sum(m['ms'] for m in s.get('matmuls', [])):.3f} ms per step of the "
-        f"matmul kernels' {s['categories_ms'].get('matmul', 0.0):.3f}",
+        # a sum above it would mean time counted twice. No kernels on the CPU: no line.
+        *(
+            [
+                f"rows above: {sum(m['ms'] for m in s['matmuls']):.3f} ms per step of the "
+                f"matmul kernels' {s['categories_ms']['matmul']:.3f}"
+            ]
+            if "matmul" in s["categories_ms"] and s.get("matmuls")
+            else []
+        ),
         "",
         "| idle gap after | before | ms per step | gaps |",
         "|---|---|---|---|",
