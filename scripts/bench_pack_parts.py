@@ -6,7 +6,9 @@ the embedded default's tokenizer.json (a byte-level BPE trained by `tokenizers`)
     PYTHONPATH=$PWD python scripts/bench_pack_parts.py [--workers 1,2,4,8] [--cores-per-worker 2] [--mb 400] [--cpus 0-15]
 
 Each Ray worker is a task with --cores-per-worker CPUs (and as many tokenizer threads);
-there are 4 tasks per worker so that an early finisher takes another part. Beside them, W
+there are 4 tasks per worker so that an early finisher takes another part. Ray runs twice a
+row: as a job starts (Ray starts its worker processes inside the timed span), and with its W
+workers started first, untimed (what the hours of a long job see). Beside them, W
 independent `pack-shards --task I --tasks W` processes (as a Slurm array runs them). A row
 of W workers confines every process of each column to the same first W x k of the CPUs
 (--cpus; on a VM whose CPUs may be hyperthreads, pick one CPU a core if the host's layout
