@@ -352,8 +352,8 @@ def test_profile_matmul_time_is_its_own_matmul_kernels():
     """A matmul's time in the summary is the matmul kernels it launched: an mm nested in
     another mm is counted once (in the outer one), and a kernel of another kind that the
     profiler linked to the op is not a matmul's. The profiler's device_time_total, used
-    before, counted such an mm twice (the 1B step's rows summed to more than its matmul
-    kernels ran)."""
+    before, counts the nested mm twice here and the Triton kernel once; on the GPU the 1B
+    step's rows summed to more than its matmul kernels ran."""
     from torch.autograd.profiler_util import FunctionEvent
 
     from pytrain.train.profiling import matmuls_by_shape
