@@ -145,6 +145,7 @@ def run_ours(
     """The preset on synthetic ids at Llama 3's vocabulary; with `text` (--quality), on that
     packed train and validation text, evaluated at the last step, with a short warm-up."""
     from pytrain import _loader
+    from pytrain.train.cli import read_fallbacks, read_start_line
     from pytrain.train.metrics import read_step_lines
 
     data = work / "syn128k"
@@ -172,8 +173,13 @@ def run_ours(
     if r.returncode or not logged:
         return {"error": (r.stderr.strip().splitlines() or ["?"])[-1][:200]}
     vals = re.findall(r"step \d+ val_loss ([\d.]+)", log.read_text())
+    # What `auto` resolved to (a missing FA4 library turns attention into flex, silently
+    # slower), and any compile fallback: the table shows both beside the figures.
+    start = read_start_line(r.stdout) or {}
+    setup = ", ".join(start[k] for k in ("attention", "output_layer", "mlp") if k in start)
     return {"tokens_per_s": steady([(x["step"], x["tok/s"]) for x in logged], steps),
             "peak_gib": float(peak.group(1)) if peak else float("nan"),
+            "setup": "; ".join([setup or "?", *read_fallbacks(r.stdout + r.stderr)]),
             **({"val_loss": float(vals[-1])} if vals else {})}  # fmt: skip
 
 
@@ -300,16 +306,16 @@ def main() -> int:
     if args.quality:
         print("(--quality: ours ran at its text's vocabulary, not 128256: its tokens/s and MFU\n"
               "below are not comparable with torchtitan's; use a run without --quality)\n")  # fmt: skip
-    print("| seq | run | tok/s | MFU | peak GiB |")
-    print("|---|---|---|---|---|")
+    print("| seq | run | tok/s | MFU | peak GiB | ours: attention, output layer, MLP |")
+    print("|---|---|---|---|---|---|")
     for seq, r in results.items():
         f = flops_per_token(seq) / 1e12 / PEAK_TFLOPS
         for name, x in r.items():
             if "error" in x:
-                print(f"| {seq} | {name} | failed: {x['error']} | - | - |")
+                print(f"| {seq} | {name} | failed: {x['error']} | - | - | - |")
             else:
                 print(f"| {seq} | {name} | {x['tokens_per_s']:,.0f} | "
-                      f"{x['tokens_per_s'] * f:.1%} | {x['peak_gib']:.1f} |")  # fmt: skip
+                      f"{x['tokens_per_s'] * f:.1%} | {x['peak_gib']:.1f} | {x.get('setup', '-')} |")  # fmt: skip
     if args.quality:
         print(f"\nvalidation loss at step {args.steps} ({VAL_BATCHES} batches of held-out text)\n")
         print(
