@@ -226,15 +226,16 @@ def test_a_slurm_array_as_the_readme_runs_it_equals_one_pack_and_reruns_a_failed
                            text=True, timeout=30).stdout  # fmt: skip
     assert "JobState=CANCELLED" in state and "DependencyNeverSatisfied" in state, state
     assert not (out / "manifest.json").exists()
-    done = {
-        i: (out / f"part-{i:05d}-of-{n:05d}" / "manifest.json").stat().st_mtime_ns for i in (0, 2)
-    }
+
+    def finished_parts() -> dict[int, int]:  # elements 0 and 2: their manifests' write times
+        return {i: (out / f"part-{i:05d}-of-{n:05d}" / "manifest.json").stat().st_mtime_ns
+                for i in (0, 2)}  # fmt: skip
+
+    done = finished_parts()
 
     again = sbatch("--wait", "--array=1", "--cpus-per-task=1", "--wrap", fail_once + pack_cmd)
     assert again.returncode == 0, again.stderr
     merge = sbatch("--wait", "--wrap", f"{sys.executable} -m pytrain.pack_shards merge {out}")
     assert merge.returncode == 0, merge.stderr
-    assert {
-        i: (out / f"part-{i:05d}-of-{n:05d}" / "manifest.json").stat().st_mtime_ns for i in (0, 2)
-    } == done
+    assert finished_parts() == done
     assert documents(out) == documents(single)
