@@ -8,8 +8,11 @@ quack-kernels), at Llama-3.2-1B's width by default, bf16 throughout (the Llama p
     python scripts/bench_norm_gpu.py [--tokens 16384] [--d-model 2048]
 
 Each row times `r = x + d; y = norm(r)` and the backward of both outputs (the next layer
-reads y, the residual stream carries r), median of 30 CUDA-event timings after 5 warm-up
-calls. The bandwidth column counts the bytes each direction must move at least: forward
+reads y, the residual stream carries r) by the device time of their kernels in a profile of
+20 calls after 5 warm-up calls: a call's launch cost on the host (a compiled function's
+guards, the CuTe DSL's argument packing) is about as long as these kernels, and in the
+model's step the host runs ahead of the GPU, so CUDA-event timings of a lone call would
+measure the host. The bandwidth column counts the bytes each direction must move at least: forward
 reads x and d and writes r and y; backward reads dy, dr and r and writes one gradient,
 which x and d share. In the 1B model's step, Inductor's norm kernels took ~23 ms of a
 924 ms step on an H100 (BENCHMARKS.md, issue 33, tenth session)."""
@@ -24,9 +27,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-from bench_ce_gpu import time_ms  # noqa: E402
 
 from pytrain.model.gpt import RMSNorm  # noqa: E402
+
+
+def kernel_ms(fn, reps: int = 20) -> float:
+    """Milliseconds of device kernels a call of `fn`, from a profile of `reps` calls."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / reps / 1e3
 
 
 def main() -> int:
@@ -71,8 +85,9 @@ def main() -> int:
         "| kernel | forward ms | GB/s | forward + backward ms | backward GB/s |\n|---|---|---|---|---|"
     )
     for name, fn in rows.items():
-        fwd = time_ms(lambda fn=fn: fn())
-        both = time_ms(lambda fn=fn: torch.autograd.backward(fn(), (dy, dr)))
+        fwd = kernel_ms(lambda fn=fn: fn())
+        # autograd.grad, not backward: no kernels that add into .grad from the last call.
+        both = kernel_ms(lambda fn=fn: torch.autograd.grad(fn(), (x, d, norm.weight), (dy, dr)))
         bwd = both - fwd
         print(f"| {name} | {fwd:.3f} | {4 * unit / fwd / 1e6:.0f} | {both:.3f} "
               f"| {4 * unit / bwd / 1e6:.0f} |", flush=True)  # fmt: skip
