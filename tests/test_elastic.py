@@ -173,9 +173,11 @@ def test_with_nnodes_1_to_2_the_job_survives_a_node_leaving(small_corpus, tmp_pa
     size) and finishes."""
     port, run = next(_ports), tmp_path / "runs" / "elastic"
     cmd = train_cmd(small_corpus, tmp_path, "elastic", "--max_steps", "400", "--ckpt_every", "20")
+    # last_call_timeout: how long a rendezvous that has its minimum of nodes waits for more
+    # before it closes (30 s by default; both agents here join within a second or two).
     agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc_per_node=1",
              "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id=el-{port}",
-             "--max-restarts=3", "-m", "pytrain.train", *cmd[3:]]  # fmt: skip
+             "--max-restarts=3", "--rdzv_conf=last_call_timeout=5", "-m", "pytrain.train", *cmd[3:]]  # fmt: skip
     # The rendezvous store lives in this process, as on a cluster it lives where the
     # endpoint is: whichever agent dies, the store stays (an agent hosting it would take
     # the rendezvous down with it).
