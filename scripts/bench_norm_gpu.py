@@ -9,13 +9,14 @@ quack-kernels), at Llama-3.2-1B's width by default, bf16 throughout (the Llama p
 
 Each row times `r = x + d; y = norm(r)` and the backward of both outputs (the next layer
 reads y, the residual stream carries r) by the device time of their kernels in a profile of
-20 calls after 5 warm-up calls: a call's launch cost on the host (a compiled function's
+20 calls after 5 warm-up calls. A call's launch cost on the host (a compiled function's
 guards, the CuTe DSL's argument packing) is about as long as these kernels, and in the
 model's step the host runs ahead of the GPU, so CUDA-event timings of a lone call would
-measure the host. The bandwidth column counts the bytes each direction must move at least: forward
-reads x and d and writes r and y; backward reads dy, dr and r and writes one gradient,
+measure the host. The bandwidth column counts the bytes each direction must move at least:
+forward reads x and d and writes r and y; backward reads dy, dr and r and writes one gradient,
 which x and d share. In the 1B model's step, Inductor's norm kernels took ~23 ms of a
-924 ms step on an H100 (BENCHMARKS.md, issue 33, tenth session)."""
+924 ms step on an H100 (BENCHMARKS.md, issue 33, tenth session); by this script, its
+forward moves 2.9 TB/s there and quack's forward + backward is 7% faster (eleventh session)."""
 
 from __future__ import annotations
 
