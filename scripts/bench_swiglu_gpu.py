@@ -64,7 +64,8 @@ def mlp_row(args, fused: str, float8: bool) -> tuple[float, float]:
 def quack_row(args) -> tuple[float, float, float, str] | str | None:
     """(ms, peak GiB, largest |difference| from our MLP over its largest |output|, how it
     ran) of quack's gated-GEMM MLP on our MLP's weights; why, where quack's own call fails
-    (0.6.5 raised a TypeError building its epilogue); None without quack."""
+    (0.6.5, installed outside a folder named site-packages, raised a TypeError building
+    its epilogue); None without quack."""
     try:
         from quack.mlp import mlp_func
     except ImportError:
