@@ -54,16 +54,22 @@ def sustained(fn: Callable[[], object], flop: float, seconds: float) -> list[int
     return rates
 
 
+def kernel_times(fn: Callable[[], object], reps: int = 3) -> dict[str, float]:
+    """Microseconds of each device kernel over `reps` profiled calls of `fn`. The kernels'
+    own time, not CUDA events around a call: those would also time the host launching it."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    times = {e.key: e.self_device_time_total for e in prof.key_averages()}
+    return {k: us for k, us in times.items() if us > 0}
+
+
 def kernel_of(fn: Callable[[], object]) -> str:
     """The device kernel that took most of three calls: cuBLAS picks it by shape, layout,
     alignment and workspace, so a step's profile (its matmul table names the kernels too)
     shows whether the step ran the same one."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-    times = {e.key: e.self_device_time_total for e in prof.key_averages()}
-    times = {k: us for k, us in times.items() if us > 0}
+    times = kernel_times(fn)
     return max(times, key=times.__getitem__) if times else "-"
 
 

@@ -28,20 +28,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
+from bench_matmul_power import kernel_times  # noqa: E402
 
 from pytrain.model.gpt import RMSNorm  # noqa: E402
 
 
 def kernel_ms(fn, reps: int = 20) -> float:
-    """Milliseconds of device kernels a call of `fn`, from a profile of `reps` calls."""
+    """Milliseconds of device kernels a call of `fn`, from a profile of `reps` calls after
+    5 unprofiled ones (compilation, autotuning)."""
     for _ in range(5):
         fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / reps / 1e3
+    torch.cuda.synchronize()  # no warm-up kernel still running inside the profile
+    return sum(kernel_times(fn, reps).values()) / reps / 1e3
 
 
 def main() -> int:
@@ -92,11 +90,9 @@ def main() -> int:
         bwd = both - fwd
         print(f"| {name} | {fwd:.3f} | {4 * unit / fwd / 1e6:.0f} | {both:.3f} "
               f"| {4 * unit / bwd / 1e6:.0f} |", flush=True)  # fmt: skip
-        x.grad = d.grad = norm.weight.grad = None
         y, r = fn()
-        torch.autograd.backward((y, r), (dy, dr))
-        outs[name] = [t.detach().float() for t in (y, r, x.grad, norm.weight.grad)]
-        x.grad = d.grad = norm.weight.grad = None
+        dx, dw = torch.autograd.grad((y, r), (x, norm.weight), (dy, dr))
+        outs[name] = [t.detach().float() for t in (y, r, dx, dw)]
     if "quack (CuTe DSL)" in outs:
         a, b = outs["ours (Inductor)"], outs["quack (CuTe DSL)"]
         diffs = [float((u - v).abs().max() / u.abs().max()) for u, v in zip(a, b, strict=True)]
