@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pytrain.model import fused_swiglu
+from pytrain.config import ConfigError
+from pytrain.model import fused_swiglu, quack_swiglu
 from pytrain.model.config import ModelConfig
 from tests.model_grads import assert_same_loss_and_grads, loss_and_grads
 from tests.triton_interpreter import assert_passes_in_interpreter
@@ -84,6 +85,26 @@ def test_fused_swiglu_choices():
         ModelConfig(fused_swiglu="yes").check()
     with pytest.raises(ValueError, match="odd"):
         fused_swiglu.swiglu(torch.randn(2, 5))
+
+
+def test_quack_swiglu_choices():
+    """'quack' takes the MLP from the Triton op (fused_swiglu.used is False), runs only on
+    CUDA, needs a SwiGLU MLP and plain linear layers, and where it cannot run the trainer's
+    check says why in one line."""
+    cpu = torch.device("cpu")
+    cfg = ModelConfig(mlp="swiglu", fused_swiglu="quack")
+    cfg.check()
+    assert not fused_swiglu.used(cfg, cpu) and not fused_swiglu.used(cfg, torch.device("cuda"))
+    assert quack_swiglu.used(cfg, torch.device("cuda")) and not quack_swiglu.used(cfg, cpu)
+    with pytest.raises(
+        ConfigError, match=r"^model.fused_swiglu=quack needs a CUDA GPU \(here cpu\)"
+    ):
+        quack_swiglu.check(cfg, cpu, torch.bfloat16)
+    quack_swiglu.check(ModelConfig(mlp="swiglu", fused_swiglu="auto"), cpu, torch.float32)
+    with pytest.raises(ValueError, match="fused_swiglu=quack needs model.mlp=swiglu"):
+        ModelConfig(mlp="gelu", fused_swiglu="quack").check()
+    with pytest.raises(ValueError, match="fused_swiglu=quack needs model.float8=off"):
+        ModelConfig(mlp="swiglu", fused_swiglu="quack", float8="rowwise").check()
 
 
 KERNEL_CHECK = textwrap.dedent(

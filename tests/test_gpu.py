@@ -299,6 +299,34 @@ def test_compiled_model_with_fused_swiglu_matches_unfused():
     assert_same_loss_and_grads(gpt, got, want)
 
 
+def quack_available() -> bool:
+    from pytrain.model import quack_swiglu
+
+    return torch.cuda.is_available() and not quack_swiglu.why_not(torch.device("cuda"))
+
+
+@pytest.mark.skipif(not quack_available(), reason="needs Hopper/Blackwell and quack-kernels")
+def test_compiled_model_with_quack_swiglu_matches_unfused():
+    """The SwiGLU model compiled with model.fused_swiglu=quack (quack's gated GEMMs) against
+    the eager unfused one: loss and gradients within bf16 compile bounds, and the MLP went
+    through quack's ops (its forward is not the plain one)."""
+    from pytrain.model import quack_swiglu
+
+    gpt, args = small_gpt_and_batch(mlp="swiglu")
+    want = bf16_loss_and_grads(gpt, gpt.loss_sum, *args)
+    gpt.cfg.fused_swiglu = "quack"
+    quack_swiglu.check(gpt.cfg, torch.device("cuda"), torch.bfloat16)
+    calls = []
+    real = quack_swiglu.mlp
+    quack_swiglu.mlp = lambda *a: calls.append(1) or real(*a)
+    try:
+        got = bf16_loss_and_grads(gpt, torch.compile(gpt.loss_sum), *args)
+    finally:
+        quack_swiglu.mlp = real
+    assert len(calls) == gpt.cfg.n_layer  # traced once per layer
+    assert_same_loss_and_grads(gpt, got, want)
+
+
 def nvmath_available() -> bool:
     from pytrain.model import fused_gelu
 

@@ -17,7 +17,7 @@ CHOICES = {
     "fused_ce": ("auto", "on", "off"),
     "float8_head": ("auto", "on", "off"),
     "fused_gelu": ("auto", "on", "off"),
-    "fused_swiglu": ("auto", "on", "off"),
+    "fused_swiglu": ("auto", "on", "off", "quack"),
     "float8": ("off", "tensorwise", "rowwise"),
     "rope_scaling": ("none", "llama3"),
 }
@@ -77,7 +77,9 @@ class ModelConfig:
     """SwiGLU's activation as two ops whose backward writes the up projection's gradient in
     one pass (pytrain.model.fused_swiglu; Triton), in training: 'auto' (on CUDA with
     Triton), 'on', 'off'. Keeps the activation's output for backward: one (tokens x hidden)
-    tensor more per layer. The Llama presets set 'auto' (BENCHMARKS.md, "Seventh session")."""
+    tensor more per layer. The Llama presets set 'auto' (BENCHMARKS.md, "Seventh session").
+    'quack': the whole MLP as quack's gated GEMMs, the activation inside the matmuls
+    (pytrain.model.quack_swiglu; Hopper/Blackwell, quack-kernels, float8 off)."""
     float8: str = "off"
     """FP8 matmuls for the blocks' linear layers in training, through torchao (optional
     extra `float8`; GPUs with FP8: Ada, Hopper, Blackwell): 'off', 'tensorwise' or
@@ -121,8 +123,15 @@ class ModelConfig:
                 "model.fused_gelu=on needs model.mlp=gelu and model.float8=off "
                 f"(here mlp={self.mlp}, float8={self.float8})"
             )
-        if self.fused_swiglu == "on" and self.mlp != "swiglu":
-            raise ValueError(f"model.fused_swiglu=on needs model.mlp=swiglu (here {self.mlp})")
+        if self.fused_swiglu in ("on", "quack") and self.mlp != "swiglu":
+            raise ValueError(
+                f"model.fused_swiglu={self.fused_swiglu} needs model.mlp=swiglu (here {self.mlp})"
+            )
+        if self.fused_swiglu == "quack" and self.float8 != "off":
+            raise ValueError(
+                f"model.fused_swiglu=quack needs model.float8=off (here {self.float8}): "
+                "quack's GEMMs would bypass torchao's float8 linear layers"
+            )
         if self.float8_head == "on" and self.fused_ce == "off":
             raise ValueError(
                 "model.float8_head=on needs the fused output layer (model.fused_ce auto or on)"

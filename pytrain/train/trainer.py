@@ -14,7 +14,7 @@ import torch
 
 from pytrain.config import TrainConfig, checkpoint_every, derive_grad_accum
 from pytrain.data.batch import DeviceBatch, DeviceFeed, FeedTime, HostBatch
-from pytrain.model import flash4, float8, fused_gelu
+from pytrain.model import flash4, float8, fused_gelu, quack_swiglu
 from pytrain.model.gpt import LossModule
 from pytrain.optim.build import build_optimizer, keeps_masters
 from pytrain.optim.schedule import lr_at
@@ -99,6 +99,7 @@ class Trainer:
         dtype = self.precision.dtype or torch.float32
         self.fused_gelu = fused_gelu.used(self.gpt.cfg, self.device, dtype)
         self.fused_gelu_missing = fused_gelu.why_not(self.gpt.cfg, self.device, dtype)
+        quack_swiglu.check(self.gpt.cfg, self.device, dtype)  # one line where it cannot run
         self.feed = DeviceFeed(self.loader, self.device, self.segments)
         self.evaluator = self._evaluator()
         shapes = len(self.loader.config.batch_shapes())
