@@ -87,24 +87,36 @@ def test_fused_swiglu_choices():
         fused_swiglu.swiglu(torch.randn(2, 5))
 
 
-def test_quack_swiglu_choices():
-    """'quack' takes the MLP from the Triton op (fused_swiglu.used is False), runs only on
-    CUDA, needs a SwiGLU MLP and plain linear layers, and where it cannot run the trainer's
-    check says why in one line."""
-    cpu = torch.device("cpu")
+def test_quack_swiglu_choices(monkeypatch):
+    """'quack' runs only on CUDA, needs a SwiGLU MLP and plain linear layers, and where it
+    cannot run the trainer's check says why in one line; 'auto' takes it where it runs, in
+    bf16/fp16 with float8 off, and inside a trace only where the check ran before."""
+    cpu, cuda, bf16 = torch.device("cpu"), torch.device("cuda", 0), torch.bfloat16
     cfg = ModelConfig(mlp="swiglu", fused_swiglu="quack")
     cfg.check()
-    assert not fused_swiglu.used(cfg, cpu) and not fused_swiglu.used(cfg, torch.device("cuda"))
-    assert quack_swiglu.used(cfg, torch.device("cuda")) and not quack_swiglu.used(cfg, cpu)
+    assert not fused_swiglu.used(cfg, cpu) and not fused_swiglu.used(cfg, cuda)
+    assert quack_swiglu.used(cfg, cuda, bf16) and not quack_swiglu.used(cfg, cpu, bf16)
     with pytest.raises(
         ConfigError, match=r"^model.fused_swiglu=quack needs a CUDA GPU \(here cpu\)"
     ):
-        quack_swiglu.check(cfg, cpu, torch.bfloat16)
-    quack_swiglu.check(ModelConfig(mlp="swiglu", fused_swiglu="auto"), cpu, torch.float32)
+        quack_swiglu.check(cfg, cpu, bf16)
     with pytest.raises(ValueError, match="fused_swiglu=quack needs model.mlp=swiglu"):
         ModelConfig(mlp="gelu", fused_swiglu="quack").check()
     with pytest.raises(ValueError, match="fused_swiglu=quack needs model.float8=off"):
         ModelConfig(mlp="swiglu", fused_swiglu="quack", float8="rowwise").check()
+    # 'auto': a GPU where quack runs (device 0 known to run it) and one where it does not.
+    auto = ModelConfig(mlp="swiglu", fused_swiglu="auto")
+    assert quack_swiglu.check(auto, cpu, torch.float32) is False
+    monkeypatch.setattr(quack_swiglu, "_why", {0: "", 1: "quack-kernels does not import"})
+    assert quack_swiglu.check(auto, cuda, bf16) is True
+    assert not quack_swiglu.used(auto, torch.device("cuda", 1), bf16)
+    assert not quack_swiglu.used(auto, cuda, torch.float32)
+    fp8 = ModelConfig(mlp="swiglu", fused_swiglu="auto", float8="tensorwise")
+    assert not quack_swiglu.used(fp8, cuda, bf16)
+    assert not quack_swiglu.used(ModelConfig(mlp="swiglu", fused_swiglu="on"), cuda, bf16)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert quack_swiglu.used(auto, cuda, bf16)  # checked before the trace
+    assert not quack_swiglu.used(auto, torch.device("cuda", 2), bf16)  # never checked
 
 
 KERNEL_CHECK = textwrap.dedent(

@@ -74,12 +74,13 @@ class ModelConfig:
     CUDA where nvmath-python imports, in bf16/fp16), 'on', 'off'. Its GELU is the tanh form,
     within bf16 rounding of the erf form that evaluation keeps."""
     fused_swiglu: str = "off"
-    """SwiGLU's activation as two ops whose backward writes the up projection's gradient in
-    one pass (pytrain.model.fused_swiglu; Triton), in training: 'auto' (on CUDA with
-    Triton), 'on', 'off'. Keeps the activation's output for backward: one (tokens x hidden)
-    tensor more per layer. The Llama presets set 'auto' (BENCHMARKS.md, "Seventh session").
-    'quack': the whole MLP as quack's gated GEMMs, the activation inside the matmuls
-    (pytrain.model.quack_swiglu; Hopper/Blackwell, quack-kernels, float8 off)."""
+    """The SwiGLU MLP's activation fused, in training. 'quack': the whole MLP as quack's
+    gated GEMMs, the activation inside the matmuls (pytrain.model.quack_swiglu; Hopper or
+    Blackwell with quack-kernels, bf16/fp16, float8 off). 'on': the activation as two
+    Triton ops whose backward writes the up projection's gradient in one pass
+    (pytrain.model.fused_swiglu; keeps the activation's output for backward). 'auto':
+    quack where it runs, else the Triton ops on CUDA. 'off'. The Llama presets set 'auto'
+    (BENCHMARKS.md, "Seventh session" and "Twelfth session")."""
     float8: str = "off"
     """FP8 matmuls for the blocks' linear layers in training, through torchao (optional
     extra `float8`; GPUs with FP8: Ada, Hopper, Blackwell): 'off', 'tensorwise' or

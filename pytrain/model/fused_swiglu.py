@@ -157,7 +157,8 @@ def swiglu(u: torch.Tensor) -> torch.Tensor:
 def used(cfg: ModelConfig, device: torch.device) -> bool:
     """Whether training steps of a SwiGLU model with this config, on this device, run the
     activation through `swiglu`: model.fused_swiglu 'on', or 'auto' on CUDA with Triton
-    ('quack' runs the whole MLP through pytrain.model.quack_swiglu instead)."""
+    (where pytrain.model.quack_swiglu takes the whole MLP, 'quack' or 'auto' on a GPU where
+    quack runs, the model's MLP never reaches this op)."""
     if cfg.mlp != "swiglu" or cfg.fused_swiglu not in ("auto", "on"):
         return False
     return cfg.fused_swiglu == "on" or (triton is not None and device.type == "cuda")

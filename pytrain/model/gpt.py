@@ -196,16 +196,15 @@ class MLP(nn.Module):
         self.down = nn.Linear(hidden, cfg.d_model, bias=False)
 
     def forward(self, x):
-        training = self.training and torch.is_grad_enabled()
-        if self.swiglu and training and quack_swiglu.used(self.cfg, x.device):
-            return quack_swiglu.mlp(x, self.up.weight, self.down.weight, compute_dtype(x))
+        training, dtype = self.training and torch.is_grad_enabled(), compute_dtype(x)
+        if self.swiglu and training and quack_swiglu.used(self.cfg, x.device, dtype):
+            return quack_swiglu.mlp(x, self.up.weight, self.down.weight, dtype)
         if self.swiglu:
             u = self.up(x)
             if training and fused_swiglu.used(self.cfg, x.device):
                 return self.down(fused_swiglu.swiglu(u))
             a, b = u.chunk(2, dim=-1)
             return self.down(F.silu(a) * b)
-        dtype = compute_dtype(x)
         if training and fused_gelu.used(self.cfg, x.device, dtype):
             return fused_gelu.mlp(x, self.up.weight, self.down.weight, dtype)
         return self.down(F.gelu(self.up(x)))

@@ -103,7 +103,7 @@ def _main(argv: list[str] | None) -> int:
 
         cache = cfg.compile.cache_dir or f"{cfg.out_dir}/{cfg.name}/inductor-cache"
         apply_safe_env(cache, cudagraphs=cfg.compile.mode == "reduce-overhead")
-    from pytrain.model import fused_swiglu, quack_swiglu
+    from pytrain.model import fused_swiglu
     from pytrain.train.guard import TrainingStopped
     from pytrain.train.out_of_memory import explained
     from pytrain.train.report import final_report
@@ -119,12 +119,11 @@ def _main(argv: list[str] | None) -> int:
 
         keep_tokenizer(trainer.run_dir, trainer.train_path)
     mcfg = trainer.gpt.cfg
-    quack = quack_swiglu.used(mcfg, trainer.device)
     fused = trainer.fused_gelu or fused_swiglu.used(mcfg, trainer.device)
     trainer.say(
         f"device {trainer.device} | precision {trainer.precision.name} | attention {trainer.attention} | "
         f"output layer {'fp8' if trainer.gpt.uses_float8_head(trainer.device) else trainer.precision.short} | "
-        f"mlp {mcfg.mlp}{', quack' if quack else ', fused' if fused else ''} | "
+        f"mlp {mcfg.mlp}{', quack' if trainer.quack_mlp else ', fused' if fused else ''} | "
         f"params {trainer.gpt.num_params() / 1e6:.2f}M | world {trainer.dist.world_size} | "
         f"batch {cfg.data.batch_size}x{cfg.data.seq_len}x{cfg.optim.grad_accum} | run dir {trainer.run_dir}"
     )

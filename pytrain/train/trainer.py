@@ -94,12 +94,12 @@ class Trainer:
         # Micro-batches on the device, with document segments only where the attention
         # reads them (FA4); the feed owns copies, prefetch and slot release.
         self.segments = self.attention == "fa4"
-        # Whether the MLPs' GELU runs inside their matmuls, and why not where `auto` asked
-        # for it and it does not (the start lines say so).
+        # Whether the MLPs' GELU (SwiGLU: quack) runs inside their matmuls, and why not
+        # where `auto` asked for it and it does not (the start lines say so).
         dtype = self.precision.dtype or torch.float32
         self.fused_gelu = fused_gelu.used(self.gpt.cfg, self.device, dtype)
         self.fused_gelu_missing = fused_gelu.why_not(self.gpt.cfg, self.device, dtype)
-        quack_swiglu.check(self.gpt.cfg, self.device, dtype)  # one line where it cannot run
+        self.quack_mlp = quack_swiglu.check(self.gpt.cfg, self.device, dtype)
         self.feed = DeviceFeed(self.loader, self.device, self.segments)
         self.evaluator = self._evaluator()
         shapes = len(self.loader.config.batch_shapes())
