@@ -8,7 +8,9 @@ down when both work; two cores barely do.
 First the same loop on 1, 2, 4, ... of the CPUs at once (how many CPUs' worth of work the
 machine gives; a cgroup quota or shared cores show here), and the cgroup's quota if any.
 Then for each CPU, a busy loop is timed alone and then beside each candidate until a sibling
-is found (slowdown above --threshold, each time the least of three tries). Prints the pairs
+is found (slowdown above --threshold, each time the least of three tries), where the first
+CPU's row shows one sibling; where it shows several, the timings are the host's noise
+(seen on a 64-CPU VM: 0.69x-2.26x) and no pairs are searched. Prints the pairs
 and two `--cpus` lists for scripts/bench_pack_parts.py: siblings next to each other (a row
 of W workers of 2 CPUs gets W whole cores), and one CPU a core (no two share one; on a big
 host, 16 of them make the "16-core host" of the benchmark). BENCHMARKS.md (issue 34,
@@ -67,6 +69,16 @@ def run_on(cpus: list[int], n: int, tries: int = 3) -> dict[int, float]:
         for p in procs:
             p.join()
     return best
+
+
+def sibling_row(row: dict[int, float], threshold: float) -> str:
+    """What one CPU's slowdowns beside every other CPU say of the layout: 'one' where exactly
+    one CPU slows it above `threshold` (a hyperthread has one sibling, so the pair search is
+    worth its time), 'none' where none does, 'noise' where several do: the host's own
+    timing noise or contention, not siblings, and a search would try all n^2/2 pairs (on a
+    64-CPU host, longer than a device call)."""
+    over = sum(s > threshold for s in row.values())
+    return "none" if over == 0 else "one" if over == 1 else "noise"
 
 
 def pairs(
@@ -172,10 +184,16 @@ def main() -> None:
     first = {b: slowdown(cpus[0], b) for b in cpus[1:]}  # the whole row, to read the layout
     print(f"CPU {cpus[0]} beside each other CPU, time against alone: "
           + ", ".join(f"{b}: {s:.2f}x" for b, s in first.items()))  # fmt: skip
-    if max(first.values(), default=0.0) > args.threshold:
+    if (row := sibling_row(first, args.threshold)) == "one":
         found, single = pairs(cpus, slowdown, args.threshold)
     else:  # hosts give all their CPUs a sibling or none: the O(n^2) search is not worth it
-        print(f"  CPU {cpus[0]} has no sibling: no hyperthreads assumed, the others not tried")
+        over = sum(s > args.threshold for s in first.values())
+        print(
+            f"  CPU {cpus[0]} has no sibling: no hyperthreads assumed, the others not tried"
+            if row == "none"
+            else f"  CPU {cpus[0]} is slowed above {args.threshold}x beside {over} CPUs, not "
+            "one sibling: the host's noise, no pairs searched"
+        )
         found, single = [], cpus
     for a, b, s in found:
         print(f"  CPUs {a} and {b} share a core: {s:.2f}x the time alone beside each other")

@@ -51,6 +51,15 @@ def test_no_pairs_below_the_threshold_keeps_the_input_order():
     assert found == [] and cpu_pairs.ordered(found, alone) == [3, 1, 2]
 
 
+def test_a_row_with_several_slow_neighbours_is_noise_not_a_sibling():
+    """CPU 0 of the 64-CPU host: above 1.4x beside five CPUs, so no pair search (which would
+    time every pair); one such CPU is a sibling, none is no hyperthreads."""
+    row = {1: 1.59, 2: 1.12, 13: 2.26, 22: 1.58, 33: 1.45, 39: 1.74, 40: 1.05}
+    assert cpu_pairs.sibling_row(row, 1.4) == "noise"
+    assert cpu_pairs.sibling_row({1: 1.05, 8: 1.7, 9: 0.98}, 1.4) == "one"
+    assert cpu_pairs.sibling_row({1: 1.05, 9: 0.98}, 1.4) == "none"
+
+
 def test_the_busy_loop_runs_on_the_cpus_it_is_given():
     cpu = sorted(os.sched_getaffinity(0))[0]
     times = cpu_pairs.run_on([cpu], 20_000)

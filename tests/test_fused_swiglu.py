@@ -114,6 +114,11 @@ def test_quack_swiglu_choices(monkeypatch):
     fp8 = ModelConfig(mlp="swiglu", fused_swiglu="auto", float8="tensorwise")
     assert not quack_swiglu.used(fp8, cuda, bf16)
     assert not quack_swiglu.used(ModelConfig(mlp="swiglu", fused_swiglu="on"), cuda, bf16)
+    odd = ModelConfig(mlp="swiglu", fused_swiglu="auto", d_model=100, n_head=4)
+    assert not quack_swiglu.used(odd, cuda, bf16)  # quack's rows need 16 bytes
+    odd.fused_swiglu = "quack"
+    with pytest.raises(ConfigError, match="needs model.d_model a multiple of 8 \\(here 100\\)"):
+        quack_swiglu.check(odd, cuda, bf16)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert quack_swiglu.used(auto, cuda, bf16)  # checked before the trace
     assert not quack_swiglu.used(auto, torch.device("cuda", 2), bf16)  # never checked

@@ -31,6 +31,9 @@ from pytrain.model.config import ModelConfig
 __all__ = ["check", "mlp", "used", "why_not"]
 
 HALF = (torch.bfloat16, torch.float16)
+ALIGN = 8
+"""quack's GEMMs need rows of 16 bytes (quack's own MLP module falls back to torch where a
+width is not a multiple of 8); the hidden width is a multiple of 64 already."""
 
 _why: dict[int, str] = {}
 """Per CUDA device index: '' where quack's MLP can run, else why not. A plain dict, not
@@ -65,13 +68,16 @@ def why_not(device: torch.device) -> str:
 def used(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether training steps of this config, on this device and in this compute dtype, run
     their MLPs through `mlp`: model.fused_swiglu 'quack' on CUDA (where `check` has passed),
-    or 'auto' where quack runs (float8 off, bf16/fp16, Hopper/Blackwell with quack-kernels).
+    or 'auto' where quack runs (float8 off, bf16/fp16, d_model a multiple of 8, Hopper or
+    Blackwell with quack-kernels).
     Inside a trace it reads only what `check` learned before compiling."""
     if cfg.mlp != "swiglu" or device.type != "cuda":
         return False
     if cfg.fused_swiglu == "quack":
         return True
     if cfg.fused_swiglu != "auto" or cfg.float8 != "off" or dtype not in HALF:
+        return False
+    if cfg.d_model % ALIGN:
         return False
     if torch.compiler.is_compiling() and _index(device) not in _why:
         return False  # not checked before the trace: the Triton op, as without quack
@@ -84,6 +90,8 @@ def check(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> bool:
     if cfg.fused_swiglu == "quack":
         if device.type == "cuda" and dtype not in HALF:
             why = f"needs bf16 or fp16 (here {str(dtype).removeprefix('torch.')})"
+        elif cfg.d_model % ALIGN:
+            why = f"needs model.d_model a multiple of {ALIGN} (here {cfg.d_model})"
         else:
             why = why_not(device)
         if why:
