@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from bench_ce_gpu import time_ms  # noqa: E402
 
-from pytrain.model import fused_swiglu  # noqa: E402
+from pytrain.model import fused_swiglu, quack_swiglu  # noqa: E402
 from pytrain.model.config import ModelConfig  # noqa: E402
 from pytrain.model.gpt import MLP  # noqa: E402
 
@@ -63,17 +63,16 @@ def mlp_row(args, fused: str, float8: bool) -> tuple[float, float]:
 
 def quack_row(args) -> tuple[float, float, float, str] | str | None:
     """(ms, peak GiB, largest |difference| from our MLP over its largest |output|, how it
-    ran) of quack's gated-GEMM MLP on our MLP's weights; why, where quack's own call fails
-    (0.6.5, installed outside a folder named site-packages, raised a TypeError building
-    its epilogue); None without quack."""
-    try:
-        from quack.mlp import mlp_func
-    except ImportError:
+    ran) of quack's gated-GEMM MLP on our MLP's weights, as `--model.fused_swiglu quack`
+    calls it (pytrain.model.quack_swiglu); why, where quack's own call fails (0.6.5,
+    installed outside a folder named site-packages, raised a TypeError building its
+    epilogue); None where quack does not run on this GPU."""
+    if quack_swiglu.why_not(torch.device("cuda")):
         return None
     mlp, x, grad = setup(args)
 
-    def quack(x):  # our up weight is [gate; up] stacked: quack's concat layout
-        return mlp_func(x, mlp.up.weight, mlp.down.weight, activation="swiglu", concat_layout=True)
+    def quack(x):
+        return quack_swiglu.mlp(x, mlp.up.weight, mlp.down.weight, torch.bfloat16)
 
     try:
         with torch.no_grad():

@@ -71,13 +71,18 @@ def run_on(cpus: list[int], n: int, tries: int = 3) -> dict[int, float]:
     return best
 
 
+def slow_neighbours(row: dict[int, float], threshold: float) -> int:
+    """How many CPUs slow one CPU above `threshold` in its row (its slowdown beside each)."""
+    return sum(s > threshold for s in row.values())
+
+
 def sibling_row(row: dict[int, float], threshold: float) -> str:
     """What one CPU's slowdowns beside every other CPU say of the layout: 'one' where exactly
     one CPU slows it above `threshold` (a hyperthread has one sibling, so the pair search is
     worth its time), 'none' where none does, 'noise' where several do: the host's own
     timing noise or contention, not siblings, and a search would try all n^2/2 pairs (on a
     64-CPU host, longer than a device call)."""
-    over = sum(s > threshold for s in row.values())
+    over = slow_neighbours(row, threshold)
     return "none" if over == 0 else "one" if over == 1 else "noise"
 
 
@@ -187,7 +192,7 @@ def main() -> None:
     if (row := sibling_row(first, args.threshold)) == "one":
         found, single = pairs(cpus, slowdown, args.threshold)
     else:  # hosts give all their CPUs a sibling or none: the O(n^2) search is not worth it
-        over = sum(s > args.threshold for s in first.values())
+        over = slow_neighbours(first, args.threshold)
         print(
             f"  CPU {cpus[0]} has no sibling: no hyperthreads assumed, the others not tried"
             if row == "none"

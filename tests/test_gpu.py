@@ -307,7 +307,7 @@ def quack_available() -> bool:
 
 @pytest.mark.skipif(not quack_available(), reason="needs Hopper/Blackwell and quack-kernels")
 @pytest.mark.parametrize("checkpoint_every", [0, 1])
-def test_compiled_model_with_quack_swiglu_matches_unfused(checkpoint_every):
+def test_compiled_model_with_quack_swiglu_matches_unfused(checkpoint_every, monkeypatch):
     """The SwiGLU model compiled with model.fused_swiglu=auto, which takes quack's gated
     GEMMs here, against the eager unfused one: loss and gradients within bf16 compile
     bounds, the MLP traced through quack's ops, also with every block recomputed in the
@@ -321,11 +321,8 @@ def test_compiled_model_with_quack_swiglu_matches_unfused(checkpoint_every):
     assert quack_swiglu.check(gpt.cfg, torch.device("cuda"), torch.bfloat16)
     calls = []
     real = quack_swiglu.mlp
-    quack_swiglu.mlp = lambda *a: calls.append(1) or real(*a)
-    try:
-        got = bf16_loss_and_grads(gpt, torch.compile(gpt.loss_sum), *args)
-    finally:
-        quack_swiglu.mlp = real
+    monkeypatch.setattr(quack_swiglu, "mlp", lambda *a: calls.append(1) or real(*a))
+    got = bf16_loss_and_grads(gpt, torch.compile(gpt.loss_sum), *args)
     assert len(calls) >= gpt.cfg.n_layer  # traced once per layer (and per recompute)
     assert_same_loss_and_grads(gpt, got, want)
 

@@ -75,9 +75,12 @@ def used(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> bool:
         return False
     if cfg.fused_swiglu == "quack":
         return True
-    if cfg.fused_swiglu != "auto" or cfg.float8 != "off" or dtype not in HALF:
-        return False
-    if cfg.d_model % ALIGN:
+    if (
+        cfg.fused_swiglu != "auto"
+        or cfg.float8 != "off"
+        or dtype not in HALF
+        or cfg.d_model % ALIGN
+    ):
         return False
     if torch.compiler.is_compiling() and _index(device) not in _why:
         return False  # not checked before the trace: the Triton op, as without quack
