@@ -3,7 +3,7 @@ cores) packing parts and merging them, against one `pack-shards` process given t
 in total, on real text (Python sources of this machine's site-packages as JSONL files) with
 the embedded default's tokenizer.json (a byte-level BPE trained by `tokenizers`).
 
-    PYTHONPATH=$PWD python scripts/bench_pack_parts.py [--workers 1,2,4,8] [--cores-per-worker 2] [--mb 400] [--cpus 0-15]
+    PYTHONPATH=$PWD python scripts/bench_pack_parts.py [--workers 1,2,4,8] [--cores-per-worker 2] [--mb 400] [--cpus 0-15] [--repeat 3]
 
 Each Ray worker is a task with --cores-per-worker CPUs (and as many tokenizer threads);
 there are 4 tasks per worker so that an early finisher takes another part. Ray runs twice a
@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import sysconfig
@@ -174,6 +175,44 @@ def ray_parts(out: Path, raw: Path, tok: str, w: int, k: int, mine: list[int],
         os.sched_setaffinity(0, everyone)
 
 
+def columns(work: Path, raw: Path, tok: str, w: int, k: int, mine: list[int],
+            everyone: list[int]) -> tuple[float, float, float, float]:  # fmt: skip
+    """One row's four figures in tokens/s, every column's processes confined to the same
+    W x k CPUs `mine`: one pack-shards, Ray as a job starts, Ray with its workers
+    started, W independent processes."""
+    # One process with the same cores (pack-shards' reader thread and compression come out
+    # of the same CPUs).
+    out = work / f"single-{w}"
+    shutil.rmtree(out, ignore_errors=True)
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "pytrain.pack_shards", str(raw), "-o", str(out), "--tokenizer", tok,
+                    "--workers", str(w * k), "--no-progress"], check=True, capture_output=True,
+                   preexec_fn=pinned(mine))  # fmt: skip
+    single = tokens(out) / (time.perf_counter() - t0)
+    # W Ray workers of k cores, 4 tasks each, then the merge: first as a job starts (Ray
+    # starts its worker processes inside the timed span), then with the workers already
+    # started, as the hours of a long job see them.
+    cold = ray_parts(work / f"ray-{w}", raw, tok, w, k, mine, everyone, warm=False)
+    parts = ray_parts(work / f"ray-warm-{w}", raw, tok, w, k, mine, everyone, warm=True)
+    # The host's own ceiling: W independent pack-shards processes of k cores at once (as a
+    # Slurm array runs them on one machine), one task each, then the merge. Per-core speed
+    # that falls as more cores work (clock, memory) shows here as in every other column.
+    out = work / f"array-{w}"
+    shutil.rmtree(out, ignore_errors=True)
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, "-m", "pytrain.pack_shards", str(raw), "-o", str(out),
+                               "--tokenizer", tok, "--workers", str(k), "--no-progress",
+                               "--task", str(i), "--tasks", str(w)], stdout=subprocess.DEVNULL,
+                              preexec_fn=pinned(mine[i * k : (i + 1) * k]))
+             for i in range(w)]  # fmt: skip
+    if any(p.wait() for p in procs):
+        raise SystemExit(f"a pack-shards task of {w} failed")
+    subprocess.run([sys.executable, "-m", "pytrain.pack_shards", "merge", str(out)], check=True,
+                   capture_output=True)  # fmt: skip
+    array = tokens(out) / (time.perf_counter() - t0)
+    return single, cold, parts, array
+
+
 def main() -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -182,6 +221,9 @@ def main() -> int:
     p.add_argument("--cores-per-worker", type=int, default=2)
     p.add_argument("--mb", type=float, default=400.0)
     p.add_argument("--files", type=int, default=64)
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run each row N times and report each column's median (the one-worker "
+                   "row, which sets linear, wandered by 1.5x on a 64-CPU VM)")  # fmt: skip
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "pytrain-bench-parts")
     p.add_argument("--cpus", default=None,
                    help="the CPUs to use, as taskset lists them (e.g. 0-15 or 0,2,4); default: all this process may use")  # fmt: skip
@@ -210,35 +252,8 @@ def main() -> int:
         # Every column of this row gets exactly the same W x k CPUs (each process confined to
         # them: pack-shards' reader thread and compression come out of the same CPUs).
         mine = cpus[: w * k]
-        # One process with the same cores.
-        out = work / f"single-{w}"
-        shutil.rmtree(out, ignore_errors=True)
-        t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "pytrain.pack_shards", str(raw), "-o", str(out), "--tokenizer", tok,
-                        "--workers", str(w * k), "--no-progress"], check=True, capture_output=True,
-                       preexec_fn=pinned(mine))  # fmt: skip
-        single = tokens(out) / (time.perf_counter() - t0)
-        # W Ray workers of k cores, 4 tasks each, then the merge: first as a job starts
-        # (Ray starts its worker processes inside the timed span), then with the workers
-        # already started, as the hours of a long job see them.
-        cold = ray_parts(work / f"ray-{w}", raw, tok, w, k, mine, everyone, warm=False)
-        parts = ray_parts(work / f"ray-warm-{w}", raw, tok, w, k, mine, everyone, warm=True)
-        # The host's own ceiling: W independent pack-shards processes of k cores at once (as a
-        # Slurm array runs them on one machine), one task each, then the merge. Per-core speed
-        # that falls as more cores work (clock, memory) shows here as in every other column.
-        out = work / f"array-{w}"
-        shutil.rmtree(out, ignore_errors=True)
-        t0 = time.perf_counter()
-        procs = [subprocess.Popen([sys.executable, "-m", "pytrain.pack_shards", str(raw), "-o", str(out),
-                                   "--tokenizer", tok, "--workers", str(k), "--no-progress",
-                                   "--task", str(i), "--tasks", str(w)], stdout=subprocess.DEVNULL,
-                                  preexec_fn=pinned(mine[i * k : (i + 1) * k]))
-                 for i in range(w)]  # fmt: skip
-        if any(p.wait() for p in procs):
-            raise SystemExit(f"a pack-shards task of {w} failed")
-        subprocess.run([sys.executable, "-m", "pytrain.pack_shards", "merge", str(out)], check=True,
-                       capture_output=True)  # fmt: skip
-        array = tokens(out) / (time.perf_counter() - t0)
+        runs = [columns(work, raw, tok, w, k, mine, everyone) for _ in range(args.repeat)]
+        single, cold, parts, array = (statistics.median(col) for col in zip(*runs, strict=True))
         rows.append((w, w * k, single, cold, parts, array))
         print(
             f"[{w} worker(s)] single {single / 1e6:.2f} M tokens/s, Ray {cold / 1e6:.2f} "
@@ -246,13 +261,16 @@ def main() -> int:
             f"{w} independent processes {array / 1e6:.2f}",
             flush=True,
         )
+        if args.repeat > 1:  # each run's four figures, to show how far a column wanders
+            print("  runs: " + "; ".join(" ".join(f"{x / 1e6:.2f}" for x in r) for r in runs))
     # Linear: W times what one pack-shards process packs on k CPUs (the first row, if it has
     # one worker). Not Ray's own first row: Ray's daemons share a row's CPUs, which costs
     # most where there are fewest, and would flatter Ray's scaling.
     one = rows[0][2] / rows[0][0]
     used = cpus[: rows[-1][1]]
     print(f"\npack-shards on Ray workers, {time.strftime('%Y-%m-%d')}, CPUs {','.join(map(str, used))} (of {os.cpu_count()}; "
-          f"{physical_cores(used)}), {mb:.0f} MB of JSONL in {args.files} files, {k} cores a worker\n")  # fmt: skip
+          f"{physical_cores(used)}), {mb:.0f} MB of JSONL in {args.files} files, {k} cores a worker"
+          f"{f', the median of {args.repeat} runs a row' if args.repeat > 1 else ''}\n")  # fmt: skip
     print("| workers | cores | one pack-shards M tok/s | Ray workers M tok/s (started: M tok/s) "
           "| independent processes M tok/s | Ray / one process | Ray / linear (started) "
           "| independent / linear | Ray / independent (started) |")  # fmt: skip
