@@ -3,7 +3,7 @@ cores) packing parts and merging them, against one `pack-shards` process given t
 in total, on real text (Python sources of this machine's site-packages as JSONL files) with
 the embedded default's tokenizer.json (a byte-level BPE trained by `tokenizers`).
 
-    PYTHONPATH=$PWD python scripts/bench_pack_parts.py [--workers 1,2,4,8] [--cores-per-worker 2] [--mb 400] [--cpus 0-15] [--repeat 3]
+    PYTHONPATH=$PWD python scripts/bench_pack_parts.py [--workers 1,2,4,8] [--cores-per-worker 2] [--mb 400] [--cpus 0-15] [--repeat 3] [--results rows.json]
 
 Each Ray worker is a task with --cores-per-worker CPUs (and as many tokenizer threads);
 there are 4 tasks per worker so that an early finisher takes another part. Ray runs twice a
@@ -213,6 +213,20 @@ def columns(work: Path, raw: Path, tok: str, w: int, k: int, mine: list[int],
     return single, cold, parts, array
 
 
+def earlier_rows(path: Path | None, setup: dict) -> dict[int, tuple]:
+    """The rows of --results, by worker count, if it holds any (measured with the same CPUs,
+    corpus and cores a worker: another setup stops the script)."""
+    if path is None or not path.exists():
+        return {}
+    saved = json.loads(path.read_text())
+    if saved["setup"] != setup:
+        raise SystemExit(
+            f"{path} holds rows of another setup ({saved['setup']}, here {setup}): "
+            "name another --results file"
+        )
+    return {row[0]: tuple(row) for row in saved["rows"]}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -224,6 +238,10 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=1,
                    help="run each row N times and report each column's median (the one-worker "
                    "row, which sets linear, wandered by 1.5x on a 64-CPU VM)")  # fmt: skip
+    p.add_argument("--results", type=Path, default=None,
+                   help="a JSON file of rows: each row is written there as it ends, rows already "
+                   "there are not run again, and the table covers them all (a run longer than "
+                   "one call of a lent machine goes as several calls: --workers 1,2, then 4,8)")  # fmt: skip
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "pytrain-bench-parts")
     p.add_argument("--cpus", default=None,
                    help="the CPUs to use, as taskset lists them (e.g. 0-15 or 0,2,4); default: all this process may use")  # fmt: skip
@@ -245,16 +263,24 @@ def main() -> int:
     k = args.cores_per_worker
     everyone = sorted(os.sched_getaffinity(0))
     cpus = cpu_list(args.cpus) if args.cpus else everyone
-    rows = []
+    setup = {"cores_per_worker": k, "cpus": cpus, "mb": round(mb), "files": args.files,
+             "repeat": args.repeat}  # fmt: skip
+    measured = earlier_rows(args.results, setup)
+    rows = list(measured.values())
     for w in (int(x) for x in args.workers.split(",")):
         if w * k > len(cpus):
             raise SystemExit(f"{w} workers of {k} CPUs need {w * k} CPUs; --cpus gives {len(cpus)}")
+        if w in measured:
+            print(f"[{w} worker(s)] measured already ({args.results})", flush=True)
+            continue
         # Every column of this row gets exactly the same W x k CPUs (each process confined to
         # them: pack-shards' reader thread and compression come out of the same CPUs).
         mine = cpus[: w * k]
         runs = [columns(work, raw, tok, w, k, mine, everyone) for _ in range(args.repeat)]
         single, cold, parts, array = (statistics.median(col) for col in zip(*runs, strict=True))
         rows.append((w, w * k, single, cold, parts, array))
+        if args.results:  # kept as each row ends: a later call measures the rest
+            args.results.write_text(json.dumps({"setup": setup, "rows": rows}))
         print(
             f"[{w} worker(s)] single {single / 1e6:.2f} M tokens/s, Ray {cold / 1e6:.2f} "
             f"(workers started: {parts / 1e6:.2f}), "
@@ -266,6 +292,7 @@ def main() -> int:
     # Linear: W times what one pack-shards process packs on k CPUs (the first row, if it has
     # one worker). Not Ray's own first row: Ray's daemons share a row's CPUs, which costs
     # most where there are fewest, and would flatter Ray's scaling.
+    rows.sort()
     one = rows[0][2] / rows[0][0]
     used = cpus[: rows[-1][1]]
     print(f"\npack-shards on Ray workers, {time.strftime('%Y-%m-%d')}, CPUs {','.join(map(str, used))} (of {os.cpu_count()}; "
