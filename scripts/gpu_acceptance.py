@@ -72,20 +72,21 @@ class Row:
 
 
 def run(cmd: list[str], log: Path, env: dict | None = None) -> tuple[int, str]:
-    """Runs `cmd`, teeing its output to `log`; returns (exit code, output)."""
+    """Runs `cmd` with its output written to `log` as it comes (a row cut by a time limit
+    leaves what it had done there); returns (exit code, output). One line per command on
+    stdout, with its wall time, says how far a row got and where its time went."""
     t0 = time.perf_counter()
-    r = subprocess.run(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, **(env or {})},
-    )
-    log.write_text(
-        f"$ {' '.join(cmd)}\n{r.stdout}\n[exit {r.returncode} after {time.perf_counter() - t0:.0f}s]\n"
-    )
-    return r.returncode, r.stdout
+    with open(log, "w") as f:
+        f.write(f"$ {' '.join(cmd)}\n")
+        f.flush()
+        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
+                           env={**os.environ, **(env or {})})  # fmt: skip
+    out = log.read_text().split("\n", 1)[1]
+    wall = time.perf_counter() - t0
+    with open(log, "a") as f:
+        f.write(f"\n[exit {r.returncode} after {wall:.0f}s]\n")
+    print(f"  {log.name}: exit {r.returncode} after {wall:.0f}s", flush=True)
+    return r.returncode, out
 
 
 def read_setup(out: str, row: Row) -> None:
