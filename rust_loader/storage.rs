@@ -5,17 +5,31 @@
 //! connections. Only where bytes come from changes: order, packing, state and checksums stay
 //! the shard reader's and the loader's.
 //!
-//! Configuration is the standard AWS environment: `AWS_ACCESS_KEY_ID`,
-//! `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`, `AWS_REGION` / `AWS_DEFAULT_REGION`,
-//! `AWS_ENDPOINT_URL` (a non-AWS server), `AWS_ALLOW_HTTP=true` (a plain-HTTP endpoint).
+//! Configuration is the standard AWS one, as the AWS CLI and boto3 read it:
+//! - the environment: `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`,
+//!   `AWS_REGION` / `AWS_DEFAULT_REGION`, `AWS_ENDPOINT_URL` (a non-AWS server),
+//!   `AWS_ALLOW_HTTP=true` (a plain-HTTP endpoint), `AWS_SKIP_SIGNATURE=true` (a public
+//!   bucket), read by object_store;
+//! - where the environment names no access key, the shared files (`~/.aws/credentials`,
+//!   `~/.aws/config`, `AWS_PROFILE`): their credentials (keys, SSO, `credential_process`,
+//!   roles), `region` and `endpoint_url`, read by the AWS SDK's own loader (aws-config),
+//!   whose chain then goes on to web identity, containers and the instance's role.
+//!   object_store reads no shared files: without this, `aws configure`'s keys went unseen.
+//!
 //! Nothing that holds a secret is ever printed: errors name the object and the frame.
 use std::ops::Range;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, SystemTime};
 
+use aws_config::meta::region::ProvideRegion;
+use aws_config::profile::ProfileFileRegionProvider;
+use aws_config::BehaviorVersion;
+use aws_credential_types::provider::error::CredentialsError;
+use aws_credential_types::provider::{ProvideCredentials, SharedCredentialsProvider};
 use bytes::Bytes;
-use object_store::aws::AmazonS3Builder;
+use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey, AwsCredential};
 use object_store::path::Path as ObjectPath;
-use object_store::{ObjectStore, ObjectStoreExt};
+use object_store::{CredentialProvider, ObjectStore, ObjectStoreExt};
 
 use crate::error::{Error, Result};
 
@@ -49,6 +63,115 @@ fn runtime() -> &'static tokio::runtime::Runtime {
     })
 }
 
+/// `builder` (object_store's reading of the environment) with what the AWS SDK's loader
+/// finds in the shared config files: its credentials chain, and the profile's `region` and
+/// `endpoint_url` where the environment sets none. The region is given to the loader (the
+/// environment's, the profile's, else us-east-1, as object_store defaults), so that loading
+/// never waits on the instance metadata service to learn one.
+fn with_shared_config(mut builder: AmazonS3Builder) -> AmazonS3Builder {
+    let from_env = |key| builder.get_config_value(&key);
+    let (region, endpoint) = (
+        from_env(AmazonS3ConfigKey::Region),
+        from_env(AmazonS3ConfigKey::Endpoint),
+    );
+    let sdk = runtime().block_on(async {
+        let region = match region {
+            Some(r) => Some(aws_config::Region::new(r)),
+            None => ProfileFileRegionProvider::new().region().await,
+        };
+        let region = region.unwrap_or(aws_config::Region::from_static("us-east-1"));
+        aws_config::defaults(BehaviorVersion::latest())
+            .region(region)
+            .load()
+            .await
+    });
+    if let Some(region) = sdk.region() {
+        builder = builder.with_region(region.as_ref());
+    }
+    if let (None, Some(url)) = (endpoint, sdk.endpoint_url()) {
+        builder = builder.with_endpoint(url);
+    }
+    if let Some(provider) = sdk.credentials_provider() {
+        builder = builder.with_credentials(Arc::new(SdkCredentials {
+            provider,
+            cached: Mutex::new(None),
+        }));
+    }
+    builder
+}
+
+/// The AWS SDK's credentials chain as object_store's credential provider. object_store asks
+/// before every request; the chain may call out (SSO, STS, a process), so a credential is
+/// kept until five minutes before it expires.
+#[derive(Debug)]
+struct SdkCredentials {
+    provider: SharedCredentialsProvider,
+    cached: Mutex<Option<(Arc<AwsCredential>, Option<SystemTime>)>>,
+}
+
+/// Why the SDK's chain gave no credentials, in one line: where it looked, where none was
+/// found; else the chain's own reason (a profile that does not parse, an expired SSO
+/// session, a failing `credential_process`) with its causes, on one line.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct NoCredentials(String);
+
+impl NoCredentials {
+    fn from_sdk(e: &CredentialsError) -> Self {
+        let looked = if let CredentialsError::CredentialsNotLoaded(_) = e {
+            let profile = std::env::var("AWS_PROFILE").unwrap_or_else(|_| "default".into());
+            format!(
+                "none in the environment, in profile '{profile}' of ~/.aws/credentials and \
+                 ~/.aws/config, or from web identity, a container or the instance"
+            )
+        } else {
+            let mut why = e.to_string();
+            let mut source = std::error::Error::source(e);
+            while let Some(inner) = source {
+                why = format!("{why}: {inner}");
+                source = inner.source();
+            }
+            why.split_whitespace().collect::<Vec<_>>().join(" ")
+        };
+        NoCredentials(format!(
+            "no AWS credentials ({looked}); set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or \
+             a profile's keys in ~/.aws/credentials (AWS_PROFILE names it), or \
+             AWS_SKIP_SIGNATURE=true for a public bucket"
+        ))
+    }
+}
+
+#[async_trait::async_trait]
+impl CredentialProvider for SdkCredentials {
+    type Credential = AwsCredential;
+
+    async fn get_credential(&self) -> object_store::Result<Arc<AwsCredential>> {
+        let fresh = |expiry: &Option<SystemTime>| {
+            expiry.is_none_or(|t| t > SystemTime::now() + Duration::from_secs(300))
+        };
+        if let Some((credential, expiry)) = &*self.cached.lock().unwrap_or_else(|e| e.into_inner())
+        {
+            if fresh(expiry) {
+                return Ok(Arc::clone(credential));
+            }
+        }
+        let got = self.provider.provide_credentials().await.map_err(|e| {
+            object_store::Error::Generic {
+                store: "S3",
+                source: Box::new(NoCredentials::from_sdk(&e)),
+            }
+        })?;
+        let credential = Arc::new(AwsCredential {
+            key_id: got.access_key_id().to_string(),
+            secret_key: got.secret_access_key().to_string(),
+            token: got.session_token().map(str::to_string),
+        });
+        *self.cached.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some((Arc::clone(&credential), got.expiry()));
+        Ok(credential)
+    }
+}
+
 impl Remote {
     /// `url`: `s3://bucket/prefix` (the dataset's directory).
     pub fn open(url: &str) -> Result<Arc<Self>> {
@@ -58,13 +181,18 @@ impl Remote {
             .find_map(|s| url.strip_prefix(s))
             .ok_or_else(|| Error::InvalidArgument(format!("{url}: not an s3:// URL")))?;
         let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
-        let store = AmazonS3Builder::from_env()
-            .with_bucket_name(bucket)
-            .build()
-            .map_err(|e| Error::Remote {
-                object: url.clone(),
-                detail: format!("cannot configure S3 access: {e}"),
-            })?;
+        let mut builder = AmazonS3Builder::from_env().with_bucket_name(bucket);
+        if std::env::var_os("AWS_ACCESS_KEY_ID").is_none()
+            && builder
+                .get_config_value(&AmazonS3ConfigKey::SkipSignature)
+                .is_none_or(|v| v != "true")
+        {
+            builder = with_shared_config(builder);
+        }
+        let store = builder.build().map_err(|e| Error::Remote {
+            object: url.clone(),
+            detail: format!("cannot configure S3 access: {e}"),
+        })?;
         Ok(Arc::new(Remote {
             store: Arc::new(store),
             prefix: prefix.to_string(),

@@ -82,7 +82,9 @@ class Proxy:
     waits `delay_s` first (a far-away store's round trip); every `every`-th is answered
     with `status` (503: slow down; 403: access denied) and every `cut`-th connection is cut
     before any response (0: never). `damage`: a byte range ('bytes=A-B', as a ranged GET
-    asks for it) whose first response has one byte flipped (a body damaged on the way)."""
+    asks for it) whose first response has one byte flipped (a body damaged on the way).
+    `key_id`: every request not signed with this access key is refused (403), as a store
+    refuses another account's key (moto itself accepts any)."""
 
     def __init__(
         self,
@@ -92,10 +94,11 @@ class Proxy:
         status: int = 503,
         delay_s: float = 0.0,
         damage: str = "",
+        key_id: str = "",
     ):
         host, port = upstream.removeprefix("http://").split(":")
         count = itertools.count(1)
-        self.faults = {"503": 0, "cut": 0, "passed": 0, "damaged": 0}
+        self.faults = {"503": 0, "cut": 0, "passed": 0, "damaged": 0, "refused": 0}
         proxy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -114,6 +117,15 @@ class Proxy:
                     proxy.faults["cut"] += 1
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                signed_by = self.headers.get("Authorization", "")
+                if key_id and f"Credential={key_id}/" not in signed_by:
+                    proxy.faults["refused"] += 1
+                    msg = b"<Error><Code>InvalidAccessKeyId</Code></Error>"
+                    self.send_response(403)
+                    self.send_header("Content-Length", str(len(msg)))
+                    self.end_headers()
+                    self.wfile.write(msg)
                     return
                 if every and n % every == 0:
                     proxy.faults["503"] += 1

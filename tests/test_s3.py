@@ -178,6 +178,49 @@ def test_a_refused_request_is_one_line_without_the_secret(s3_server, aws_env, mo
     assert time.perf_counter() - t0 < 10
 
 
+AWS_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION",
+                 "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL", "AWS_PROFILE", "AWS_SKIP_SIGNATURE")  # fmt: skip
+
+
+def test_the_shared_aws_files_give_the_key_and_the_endpoint(
+    s3_server, small_corpus, tmp_path, monkeypatch
+):
+    """Where the environment names no access key, the AWS CLI's files do (`aws configure`):
+    AWS_PROFILE's keys in the credentials file, its region and endpoint_url in the config
+    file. A proxy that refuses every request not signed with the profile's key proves the
+    key, and only the profile names the proxy. With no key anywhere (and no instance
+    metadata service), one line says where to put one."""
+    train, _ = small_corpus
+    url = upload(s3_server, train, "profile")
+    for key in AWS_VARIABLES:
+        monkeypatch.delenv(key, raising=False)
+    credentials, config = tmp_path / "credentials", tmp_path / "config"
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    monkeypatch.setenv("AWS_PROFILE", "minio")
+    monkeypatch.setenv("AWS_ALLOW_HTTP", "true")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    proxy = Proxy(s3_server, key_id="AKIDFROMPROFILE")
+    try:
+        config.write_text(f"[profile minio]\nregion = us-east-1\nendpoint_url = {proxy.url}\n")
+        credentials.write_text(
+            "[minio]\naws_access_key_id = AKIDFROMPROFILE\naws_secret_access_key = s3cret-5678\n"
+        )
+        remote = _loader.Dataset(url)
+        assert documents(remote) == documents(_loader.Dataset(str(train)))
+        assert proxy.faults["passed"] > 0 and proxy.faults["refused"] == 0
+        credentials.write_text("[other]\naws_access_key_id = AKIDFROMPROFILE\n"
+                               "aws_secret_access_key = s3cret-5678\n")  # fmt: skip
+        with pytest.raises(_loader.RemoteError) as e:
+            _loader.Dataset(url)
+    finally:
+        proxy.close()
+    line = str(e.value)
+    assert line.startswith(f"{url}/manifest.json: reading it:") and "\n" not in line, line
+    assert "no AWS credentials" in line and "AWS_PROFILE" in line, line
+    assert "s3cret-5678" not in line
+
+
 def _train(data: str, val: str, out: Path, environ: dict) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "pytrain.train", "--data.path", data, "--data.val_path", val,
            "--out_dir", str(out), "--name", "run", "--max_steps", "4", "--eval_every", "2",
