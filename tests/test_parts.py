@@ -127,6 +127,16 @@ def test_parts_made_with_another_tokenizer_are_refused(corpus, bpe_tokenizer_fil
     assert not (out / "manifest.json").exists()  # nothing a reader could take for a dataset
 
 
+def test_merge_of_a_missing_directory_or_one_without_parts_is_one_line(tmp_path):
+    r = pack("merge", str(tmp_path / "nowhere"))
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == [
+        f"pack-shards: error: {tmp_path / 'nowhere'}: no such directory"
+    ]
+    r = pack("merge", str(tmp_path))
+    assert r.returncode == 1 and "no part-<i>-of-<n> directories" in r.stderr, r.stderr
+
+
 def test_bad_task_arguments_are_one_line():
     r = pack("x.txt", "-o", "out", "--task", "3", "--tasks", "3")
     assert r.returncode != 0 and "--task 3 is not one of the 3 tasks" in r.stderr

@@ -105,6 +105,8 @@ def merge(out: Path) -> dict:
     """Writes OUT/manifest.json over every part's shards; returns it. Refuses, naming what,
     a missing task and parts made with another tokenizer, format, dtype or arguments."""
     out = Path(out)
+    if not out.is_dir():  # a mistyped path: say so, not that it holds no parts
+        raise PartError(f"{out}: no such directory")
     found = {}
     for d in sorted(out.glob("part-*-of-*")):
         if (name := PART.fullmatch(d.name)) and d.is_dir():
