@@ -65,40 +65,38 @@ def why_not(device: torch.device) -> str:
     return _why[index]
 
 
+def _why_not_here(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> str:
+    """'' where quack's MLP runs for this config, device and compute dtype, else why not:
+    what both 'quack' (an error) and 'auto' (the Triton op instead) go by."""
+    if device.type == "cuda" and dtype not in HALF:
+        return f"needs bf16 or fp16 (here {str(dtype).removeprefix('torch.')})"
+    if cfg.d_model % ALIGN:
+        return f"needs model.d_model a multiple of {ALIGN} (here {cfg.d_model})"
+    if cfg.float8 != "off":  # quack's GEMMs would bypass torchao's float8 linear layers
+        return f"needs model.float8=off (here {cfg.float8})"
+    return why_not(device)
+
+
 def used(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether training steps of this config, on this device and in this compute dtype, run
     their MLPs through `mlp`: model.fused_swiglu 'quack' on CUDA (where `check` has passed),
     or 'auto' where quack runs (float8 off, bf16/fp16, d_model a multiple of 8, Hopper or
     Blackwell with quack-kernels).
     Inside a trace it reads only what `check` learned before compiling."""
-    if cfg.mlp != "swiglu" or device.type != "cuda":
+    if cfg.mlp != "swiglu" or device.type != "cuda" or cfg.fused_swiglu not in ("quack", "auto"):
         return False
     if cfg.fused_swiglu == "quack":
         return True
-    if (
-        cfg.fused_swiglu != "auto"
-        or cfg.float8 != "off"
-        or dtype not in HALF
-        or cfg.d_model % ALIGN
-    ):
-        return False
     if torch.compiler.is_compiling() and _index(device) not in _why:
         return False  # not checked before the trace: the Triton op, as without quack
-    return not why_not(device)
+    return not _why_not_here(cfg, device, dtype)
 
 
 def check(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> bool:
     """ConfigError, one line, where the config asks for quack's MLP and it cannot run here;
     else whether training steps use it (the trainer asks once, before compiling)."""
-    if cfg.fused_swiglu == "quack":
-        if device.type == "cuda" and dtype not in HALF:
-            why = f"needs bf16 or fp16 (here {str(dtype).removeprefix('torch.')})"
-        elif cfg.d_model % ALIGN:
-            why = f"needs model.d_model a multiple of {ALIGN} (here {cfg.d_model})"
-        else:
-            why = why_not(device)
-        if why:
-            raise ConfigError(f"model.fused_swiglu=quack {why}; choose auto, on or off")
+    if cfg.fused_swiglu == "quack" and (why := _why_not_here(cfg, device, dtype)):
+        raise ConfigError(f"model.fused_swiglu=quack {why}; choose auto, on or off")
     return used(cfg, device, dtype)
 
 
