@@ -110,8 +110,8 @@ struct SdkCredentials {
 }
 
 /// Why the SDK's chain gave no credentials, in one line: where it looked, where none was
-/// found; else the chain's own reason (a profile that does not parse, an expired SSO
-/// session, a failing `credential_process`) with its causes, on one line.
+/// found; else the chain's own reason (a profile that does not parse, an SSO login
+/// that expired, a failing `credential_process`) with its causes, on one line.
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
 struct NoCredentials(String);

@@ -105,7 +105,7 @@ def test_logged_data_waits_add_up_to_the_loaders_wait_that_the_end_line_prints(
     small_corpus, tmp_path
 ):
     """train.log's per-step data_wait_ms (every step logged here) sums to the loader's
-    wait_s, the end line's "data wait": one measure, not two (issue 33: the GPU table read
+    wait_s, the end line's "data wait": one measure, not two (a GPU table once read
     18 ms a step where the end line said 0.00 s). feed_ms holds the rest of the host's
     data time, and is never less than the wait."""
     t = Trainer(small_cfg(small_corpus, tmp_path, "--optim.grad_accum", "3", "--max_steps", "6"))

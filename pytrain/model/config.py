@@ -55,8 +55,7 @@ class ModelConfig:
     sdpa_backend: str = "auto"
     """Kernel behind scaled_dot_product_attention: 'auto' (torch's choice), 'cudnn',
     'flash', 'efficient', 'math', or 'fa4' (FlashAttention-4 from the flash-attn-4 package,
-    for plain causal attention: attention='causal' and evaluation without documents).
-    scripts/bench_attention_gpu.py measures them."""
+    for plain causal attention: attention='causal' and evaluation without documents)."""
     residual: str = "fp32"
     """dtype of the residual stream under autocast: 'fp32' (as nanoGPT keeps it, also
     when the parameters are bf16) or 'compute' (bf16/fp16: half the memory traffic of the norms and
@@ -80,7 +79,7 @@ class ModelConfig:
     Triton ops whose backward writes the up projection's gradient in one pass
     (pytrain.model.fused_swiglu; keeps the activation's output for backward). 'auto':
     quack where it runs, else the Triton ops on CUDA. 'off'. The Llama presets set 'auto'
-    (BENCHMARKS.md, "Seventh session" and "Twelfth session")."""
+    (BENCHMARKS.md, "Llama 1B against torchtitan")."""
     float8: str = "off"
     """FP8 matmuls for the blocks' linear layers in training, through torchao (optional
     extra `float8`; GPUs with FP8: Ada, Hopper, Blackwell): 'off', 'tensorwise' or

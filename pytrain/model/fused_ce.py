@@ -112,8 +112,8 @@ def _ce_grad_triton(
     out: torch.Tensor | None = None,
     out_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Default block size and warps: the fastest of `scripts/bench_ce_gpu.py`'s sweep on
-    the H100 (16,384 x 16 warps: 1.10 ms for 12,288 x 50,304 bf16 logits, 3.4 TB/s if
+    """Default block size and warps: the fastest of a sweep on
+    an H100 (16,384 x 16 warps: 1.10 ms for 12,288 x 50,304 bf16 logits, 3.4 TB/s if
     the second read came from DRAM; 32,768 x 32 took 1.27 ms). A one-read variant that
     held the whole row in one block spilled registers: 1.9-2.3 ms."""
     n, v = logits.shape
@@ -193,7 +193,7 @@ def _linear_ce_fake(x, weight, targets):
 # torch._scaled_mm. The logits stay bf16 because they set the loss and the softmax: e4m3
 # logits (3 mantissa bits in both operands) raised a trained model's loss by ~1% and put
 # 7-14% of error into both gradients (7x the bf16 op's), which cost 2.2% of validation
-# loss at equal steps in the 124M preset's time-to-quality run (BENCHMARKS.md, issue 33).
+# loss at equal steps in the 124M preset's time-to-quality run (BENCHMARKS.md).
 # The gradients take FP8 well: the input and the weight go to e4m3 with per-tensor
 # power-of-two scales from their absolute maxima (a power of two scales exactly, so the
 # cast never overflows); the logits' gradient goes to e5m2 straight from the
@@ -231,7 +231,7 @@ def _e4m3_t(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def transpose(t: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of the 2-D `t` transposed. On CUDA, 1-byte elements (FP8) through
     the Triton kernel above: for the 824 MB gradient of 16,384 tokens on the H100, 0.67 ms
-    against 6.05 for ATen's copy of the transposed view (scripts/bench_ce_gpu.py)."""
+    against 6.05 for ATen's copy of the transposed view."""
     if not (triton_available(t.device) and t.element_size() == 1 and t.is_contiguous()):
         return t.t().contiguous()
     m, n = t.shape

@@ -4,14 +4,14 @@ taken by `--model.fused_swiglu auto` where it runs, or asked for with 'quack'.
 
 Why: even with pytrain.model.fused_swiglu, the SwiGLU between the up and down projections
 is its own pass over (tokens x 2 hidden) in forward and again in backward: on the H100 at
-Llama-3.2-1B's shape its kernels take 47 ms of a 924 ms step (BENCHMARKS.md, "Eleventh
-session"). quack's up projection computes silu(gate) * up in its epilogue as it writes
+Llama-3.2-1B's shape its kernels take 47 ms of a 924 ms step (measured with the profiler).
+quack's up projection computes silu(gate) * up in its epilogue as it writes
 both; its down projection's backward computes the activation's gradient in its epilogue
 as it writes the gradient of the up projection's output. The weights are ours unchanged:
 the up projection's [gate; up] rows are quack's "concat layout".
 
 On the H100 at that shape, 8 rows of 2048 a micro-batch: 73,984 tokens/s (61.5% MFU) and
-42.6 GiB at peak, against 71,174 (59.2%) and 46.2 GiB with the Triton op, in one lease.
+42.6 GiB at peak, against 71,174 (59.2%) and 46.2 GiB with the Triton op (one run each).
 Alone, one layer's MLP is no faster than cuBLAS + the Triton op (7.99 against 7.91 ms):
 the step gains from what it no longer keeps and moves between the kernels.
 

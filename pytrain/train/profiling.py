@@ -117,8 +117,7 @@ def matmuls_by_shape(prof: torch.profiler.profile, steps: int, top: int = 16) ->
         # The op's own matmul kernels, not the profiler's device_time_total: that one also
         # counts the kernels of every op nested in it, of any kind, and so a nested matmul
         # op, which this loop meets again, twice. With it the 1B step's rows summed to 814
-        # ms per step against 686 ms of matmul kernels (BENCHMARKS.md, issue 33, tenth
-        # session).
+        # ms per step against 686 ms of matmul kernels.
         kernels = [k for k in _kernels(evt) if category(k.name) == "matmul"]
         us = sum(k.duration for k in kernels) if kernels else evt.cpu_time_total
         acc = groups.setdefault((_pass(evt), evt.name, str(shapes)), [0, 0.0, 0.0, {}])

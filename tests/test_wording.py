@@ -1,0 +1,65 @@
+"""No tracked file speaks of how the work on the project was organised: a reader cannot see
+our tracker, our schedule or the machines we borrowed, so a figure names its hardware and a
+reason says what it is, not where it was discussed."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# Each pattern names one kind of word; the exceptions are the project's own uses of a word
+# (pytest's fixture scope, an AWS SSO session, a requests session object).
+ORGANISATION_WORDS = {
+    "a session": re.compile(
+        r"(?<!scope=\")(?<!scope=')(?<!SSO )(?<!sso )(?<!\.)\bsessions?\b(?![_(=]|\.\w)", re.IGNORECASE
+    ),
+    "lent or leased": re.compile(r"\b(?:lent|leas(?:e|es|ed|ing))\b", re.IGNORECASE),
+    "a machine by how it was obtained": re.compile(r"\bnvidia-h[12]00(?:-x\d)?\b", re.IGNORECASE),
+    "a device call": re.compile(r"\bdevice[ -](?:calls?|machines?)\b", re.IGNORECASE),
+    "an issue number": re.compile(r"\bissues? ?#?\d+", re.IGNORECASE),
+}
+TEXT_SUFFIXES = {".md", ".py", ".pyi", ".toml", ".rs", ".yml", ".yaml", ".txt", ".sh", ".sbatch"}
+
+
+def organisation_words(line: str) -> list[str]:
+    return [kind for kind, pattern in ORGANISATION_WORDS.items() if pattern.search(line)]
+
+
+def test_nothing_tracked_speaks_of_how_the_work_was_organised():
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout
+    hits = []
+    for name in files.split():
+        path = ROOT / name
+        text = path.suffix in TEXT_SUFFIXES or name in {"Makefile", ".ci/run"}
+        if text and name != "tests/test_wording.py" and path.is_file():  # a moved file: gone
+            for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+                if kinds := organisation_words(line):
+                    hits.append(f"{name}:{i}: ({', '.join(kinds)}) {line.strip()[:120]}")
+    assert not hits, "say what the thing is instead:\n" + "\n".join(hits)
+
+
+def test_the_organisation_words_are_found_and_the_projects_own_are_not():
+    for line in [
+        "measured in the seventh session",
+        "two Sessions on the H100",
+        "a machine we lent",
+        "in one lease",
+        "on nvidia-h100-x4",
+        "cut by the device call's limit",
+        "(issue 33)",
+        "see issue #7",
+    ]:
+        assert organisation_words(line), line
+    for line in [
+        '@pytest.fixture(scope="session")',
+        "an expired SSO session",
+        "boto3.session.Session()",
+        "device time per kernel category",
+        "the issues a user hits",
+        "lenticular",
+    ]:
+        assert not organisation_words(line), line
