@@ -54,21 +54,21 @@ test-python: setup
 
 bench: setup ## criterion benches + pack-shards and loader benchmarks (print figures)
 	cargo bench --bench loader
-	$(PY) scripts/bench_pack.py
-	$(PY) scripts/bench_loader.py
+	$(PY) benchmarks/pack.py
+	$(PY) benchmarks/loader.py
 
 lint: setup ## cargo fmt --check, clippy -D warnings, ruff, mypy, stubtest of the extension
 	cargo fmt --check
 	cargo clippy --all-targets --features python -- -D warnings
-	$(VENV)/bin/ruff check pytrain tests scripts
-	$(VENV)/bin/ruff format --check pytrain tests scripts
+	$(VENV)/bin/ruff check pytrain tests scripts benchmarks
+	$(VENV)/bin/ruff format --check pytrain tests scripts benchmarks
 	$(PY) -m mypy
 	$(PY) -m mypy.stubtest pytrain._loader
 	$(PY) -m pytest -q tests/test_structure.py  # import cycles, trainer size, machine paths
 
 fmt: setup ## format Rust and Python
 	cargo fmt
-	$(VENV)/bin/ruff format pytrain tests scripts
+	$(VENV)/bin/ruff format pytrain tests scripts benchmarks
 
 wheel: ## abi3 wheel into dist/ (one wheel for CPython 3.10+)
 	$(VENV)/bin/maturin build --release -o dist

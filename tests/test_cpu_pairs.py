@@ -1,4 +1,4 @@
-"""scripts/cpu_pairs.py: hyperthread pairs from timings, and the --cpus order it prints."""
+"""benchmarks/cpu_pairs.py: hyperthread pairs from timings, and the --cpus order it prints."""
 
 import importlib.util
 import os
@@ -6,8 +6,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-spec = importlib.util.spec_from_file_location("cpu_pairs", ROOT / "scripts/cpu_pairs.py")
+sys.path.insert(0, str(ROOT / "benchmarks"))
+spec = importlib.util.spec_from_file_location("cpu_pairs", ROOT / "benchmarks/cpu_pairs.py")
 assert spec is not None and spec.loader is not None
 cpu_pairs = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(cpu_pairs)
@@ -70,7 +70,7 @@ def test_cpus_this_process_may_not_use_end_in_one_line():
     import subprocess
 
     for spec, words in (("0-9999", "not among the"), ("a-b", "expected CPUs")):
-        r = subprocess.run([sys.executable, str(ROOT / "scripts/cpu_pairs.py"), "--cpus", spec],
+        r = subprocess.run([sys.executable, str(ROOT / "benchmarks/cpu_pairs.py"), "--cpus", spec],
                            capture_output=True, text=True, timeout=60)  # fmt: skip
         assert r.returncode == 1 and words in r.stderr and "Traceback" not in r.stderr, r.stderr
 

@@ -15,7 +15,7 @@ from conftest import traceable_docs, write_synthetic
 
 from pytrain.data import TokenLoader
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 from kill_resume_sweep import kill_and_resume, losses_by_step, same_final_params, train_cmd  # noqa: E402
 
 

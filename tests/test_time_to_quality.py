@@ -1,4 +1,4 @@
-"""scripts/time_to_quality.py's report arithmetic: when a run first reaches nanoGPT's final
+"""benchmarks/time_to_quality.py's report arithmetic: when a run first reaches nanoGPT's final
 loss (between snapshots), and the preset against its variants at equal steps."""
 
 import importlib.util
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 spec = importlib.util.spec_from_file_location(
-    "time_to_quality", Path(__file__).resolve().parent.parent / "scripts" / "time_to_quality.py"
+    "time_to_quality", Path(__file__).resolve().parent.parent / "benchmarks" / "time_to_quality.py"
 )
 ttq = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(ttq)

@@ -1,5 +1,5 @@
 """A profiler window over training steps (`--profile_steps A:B`), and the per-step kernel
-summary that scripts/profile_step_gpu.py prints for our trainer and for nanoGPT side by side.
+summary that benchmarks/profile_step.py prints for our trainer and for nanoGPT side by side.
 
 Kernels are grouped by what they do (matmul, attention, Inductor's generated kernels, the
 optimizer, copies) so two trainers can be compared even though their kernel names differ;

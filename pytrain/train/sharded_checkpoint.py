@@ -37,7 +37,7 @@ STATE = checkpoint.SHARDED_STATE
 WRITER_THREADS = 4
 """DCP's writer threads, each writing a file of every rank's shards (`__<rank>_<i>.distcp`).
 The GPT-2 preset's 1.64 GB of state saved in 1.91 s with 4 against 4.37 s with 1 (CPU box,
-`python scripts/bench_checkpoint.py --device cpu --saves 2`; BENCHMARKS.md); serializing
+`python benchmarks/checkpoint.py --device cpu --saves 2`; BENCHMARKS.md); serializing
 each tensor and writing it, one after another, was the time."""
 
 
@@ -117,7 +117,7 @@ def save(run_dir: Path, step: int, model, optimizer, rest: dict, is_main: bool, 
          threads: int = WRITER_THREADS) -> Path:  # fmt: skip
     """Writes ckpt-<step>/ from every rank (a collective): each rank's shards of the model and
     the optimizer state, and rank 0's `rest` as state.pt. Returns the final path. `threads`:
-    DCP's writer threads, a file each per rank (scripts/bench_checkpoint.py compares 1)."""
+    DCP's writer threads, a file each per rank (benchmarks/checkpoint.py compares 1)."""
     tensors, extra = _prepare(model, optimizer, rest)
     final, tmp = _start(run_dir, step, is_main, barrier)
     try:

@@ -2,7 +2,7 @@
 finishes, then check that every step's loss and the final parameters equal an
 uninterrupted run's.
 
-    python scripts/kill_resume_sweep.py [--kills 20] [--steps 400] [--seed 0] [--slow-write 0.5]
+    python benchmarks/kill_resume_sweep.py [--kills 20] [--steps 400] [--seed 0] [--slow-write 0.5]
 
 Checkpoints are written in the background (ckpt_async). `--slow-write S` makes each write
 stop for S seconds halfway through the file, so most kills land inside a write and leave

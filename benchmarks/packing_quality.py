@@ -2,8 +2,8 @@
 best-fit packing next to plain concatenate-and-split, over one epoch at seq_len 2048.
 A document longer than a row must be cut by any packer; the table shows those apart.
 
-    python scripts/packing_quality.py DATASET [--seq 2048] [--batch 8] [--frames-per-block 4]
-(DATASET: e.g. the one scripts/bench_pack.py leaves in /tmp/pytrain-bench-pack/ds)
+    python benchmarks/packing_quality.py DATASET [--seq 2048] [--batch 8] [--frames-per-block 4]
+(DATASET: e.g. the one benchmarks/pack.py leaves in /tmp/pytrain-bench-pack/ds)
 """
 
 from __future__ import annotations

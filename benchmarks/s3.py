@@ -5,10 +5,10 @@ download of the same objects, same number of connections, through obstore: Pytho
 binding of the same object_store crate), and MosaicML Streaming reading the same tokens
 from the same server. All in one command.
 
-    pip install --no-deps --target .bench-site -r scripts/bench_s3.requirements.txt
-    python scripts/bench_s3.py --streaming-site .bench-site [--text-mb 40] [--seconds 12]
+    pip install --no-deps --target .bench-site -r benchmarks/s3.requirements.txt
+    python benchmarks/s3.py --streaming-site .bench-site [--text-mb 40] [--seconds 12]
 
-Text: the Python sources of this environment (scripts/realtext.py; real text, as JSONL),
+Text: the Python sources of this environment (benchmarks/realtext.py; real text, as JSONL),
 a byte-level BPE of 8192 trained on its first megabytes, packed by pack-shards (zstd 3).
 Our loader: the GPT-2 preset's data settings (32 rows of 1024, 4 threads, 32 frames a
 block; `--threads`), as rank 0 of 1. Without a cache, every frame is fetched when it is
@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "scripts")]
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
 import s3_local  # noqa: E402
 from loader_timing import read_for  # noqa: E402

@@ -6,7 +6,7 @@ first batch, peak RSS and size on disk. Each loader runs in its own process, twi
 
 The peers are benchmark-only dependencies; run this with a Python that has them (and pytrain):
 
-    peers/venv/bin/python scripts/bench_peers.py [--docs 20000] [--seq 2048] [--batch 16]
+    peers/venv/bin/python benchmarks/loader_peers.py [--docs 20000] [--seq 2048] [--batch 16]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Trainer throughput on one GPU: the GPT-2 124M preset (bf16, compiled) against
 nanoGPT's bench.py at the same model size and batch, in one run.
 
-    python scripts/bench_train_gpu.py --nanogpt PATH_TO_NANOGPT [--steps 300] [--batch 12]
+    python benchmarks/nanogpt.py --nanogpt PATH_TO_NANOGPT [--steps 300] [--batch 12]
 
 The first variant, `preset`, is the preset as shipped (configs/gpt2-124m.toml with no
 flag that changes the step: its attention choice, 32 x 1,024 tokens x 16 micro-batches

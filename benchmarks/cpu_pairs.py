@@ -3,7 +3,7 @@ sysfs: a VM's topology is the guest's view (often "1 thread a core") and says no
 how its CPUs sit on the host's cores. Two CPUs of one core (hyperthreads) slow each other
 down when both work; two cores barely do.
 
-    python scripts/cpu_pairs.py [--cpus 0-15] [--seconds 0.3] [--threshold 1.4]
+    python benchmarks/cpu_pairs.py [--cpus 0-15] [--seconds 0.3] [--threshold 1.4]
 
 First the same loop on 1, 2, 4, ... of the CPUs at once (how many CPUs' worth of work the
 machine gives; a cgroup quota or shared cores show here), and the cgroup's quota if any.
@@ -11,7 +11,7 @@ Then for each CPU, a busy loop is timed alone and then beside each candidate unt
 is found (slowdown above --threshold, each time the least of three tries), where the first
 CPU's row shows one sibling; where it shows several, the timings are the host's noise
 (seen on a 64-CPU VM: 0.69x-2.26x) and no pairs are searched. Prints the pairs
-and two `--cpus` lists for scripts/bench_pack_parts.py: siblings next to each other (a row
+and two `--cpus` lists for benchmarks/pack_parts.py: siblings next to each other (a row
 of W workers of 2 CPUs gets W whole cores), and one CPU a core (no two share one; on a big
 host, 16 of them make the "16-core host" of the benchmark). BENCHMARKS.md (issue 34,
 "pack-shards on many workers") says why the scaling figures need it."""
@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_pack_parts import cpu_list  # noqa: E402
+from pack_parts import cpu_list  # noqa: E402
 
 
 def _spin(n: int) -> int:

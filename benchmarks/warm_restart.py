@@ -1,7 +1,7 @@
 """Warm restarts of the GPT-2 124M preset: how long the compile warm-up takes when a run
 starts again (a requeued or resumed job), and what those seconds are.
 
-    PYTHONPATH=$PWD python scripts/bench_warm_restart.py [--work DIR]
+    PYTHONPATH=$PWD python benchmarks/warm_restart.py [--work DIR]
 
 Four starts of the preset as shipped (a validation set, so the evaluation graph too), each
 short (--max_steps, no samples), sharing one Inductor cache directory as a user's repeated

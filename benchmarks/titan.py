@@ -1,9 +1,9 @@
 """Llama-3.2-1B's shape on one GPU, side by side with torchtitan, in one command.
 
-    PYTHONPATH=$PWD python scripts/bench_titan.py --titan-site DIR [--tokenizer tokenizer.json] \
+    PYTHONPATH=$PWD python benchmarks/titan.py --titan-site DIR [--tokenizer tokenizer.json] \
         [--text corpus.jsonl] [--seq 2048,4096] [--steps 40]
 
-DIR holds torchtitan and its dependencies as pinned in scripts/bench_titan.requirements.txt
+DIR holds torchtitan and its dependencies as pinned in benchmarks/titan.requirements.txt
 (`pip install --no-deps --target DIR` of those wheels; the GPU hosts have no network).
 
 torchtitan runs through its own trainer (`torchtitan.train` under torchrun) from its PyPI
@@ -190,7 +190,7 @@ def default_tokenizer() -> Path:
 
 
 def write_text_jsonl(path: Path, mb: int = 30) -> None:
-    """Python sources of this machine (scripts/realtext.py), about `mb` MB, as torchtitan's
+    """Python sources of this machine (benchmarks/realtext.py), about `mb` MB, as torchtitan's
     JSONL text (~10M tokens: more than a run of --steps reads; its loader loops)."""
     import json
 

@@ -1,7 +1,7 @@
 """Where a training step's time goes on the GPU, ours next to nanoGPT's, in one run.
 
-    python scripts/profile_step_gpu.py --nanogpt PATH [--batch 12] [--ours-flags "..."]
-    python scripts/profile_step_gpu.py --nanogpt PATH --as-shipped   # the preset's own step
+    python benchmarks/profile_step.py --nanogpt PATH [--batch 12] [--ours-flags "..."]
+    python benchmarks/profile_step.py --nanogpt PATH --as-shipped   # the preset's own step
 
 Ours: the GPT-2 124M preset through `python -m pytrain.train --profile_steps 40:50` (the
 real trainer: loader, guard, logging). nanoGPT: its model.py and bench.py's loop (random
@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench_train_gpu import synthetic_dataset  # noqa: E402 (scripts/ is sys.path[0])
+from nanogpt import synthetic_dataset  # noqa: E402 (benchmarks/ is sys.path[0])
 
 from pytrain.train.profiling import StepProfiler, format_summary  # noqa: E402
 

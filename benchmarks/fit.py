@@ -1,7 +1,7 @@
 """What it takes to fit a preset on one GPU: activation checkpointing policies side by side,
 each run under the same cap on GPU memory, in one command.
 
-    PYTHONPATH=$PWD python scripts/bench_fit.py [--preset configs/llama-3b.toml] [--gpu-gb 80] \
+    PYTHONPATH=$PWD python benchmarks/fit.py [--preset configs/llama-3b.toml] [--gpu-gb 80] \
         [--policies full,every-2,every-4,off] [--steps 12] [--accum 2] [--vocab 128256]
 
 Each policy trains the preset as shipped (its batch, precision, attention and optimizer)

@@ -10,7 +10,7 @@
 Per core = tokens / CPU seconds of the process and its children (getrusage), so a loader
 that keeps two cores busy counts both.
 
-    python scripts/bench_loader.py [--docs 100000] [--seq 2048] [--batch 16] [--batches 2000]
+    python benchmarks/loader.py [--docs 100000] [--seq 2048] [--batch 16] [--batches 2000]
                                    [--dataset PATH_TO_A_REAL_UINT16_DATASET]
 
 Disk size of both datasets is printed too.

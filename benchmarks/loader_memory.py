@@ -3,7 +3,7 @@ documents; for each, the process's anonymous memory (heap: what the loader alloc
 file-backed resident memory (mapped shard pages) after opening the dataset and after 200
 batches, plus the size of the mapped indexes.
 
-    python scripts/bench_memory.py [--docs 1000000,10000000] [--seq 1024] [--batch 8]
+    python benchmarks/loader_memory.py [--docs 1000000,10000000] [--seq 1024] [--batch 8]
 
 Each size runs in a fresh process so the figures do not mix.
 """

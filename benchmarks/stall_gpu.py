@@ -9,7 +9,7 @@ time the GPU had nothing to do because the host had not yet handed it the batch:
 wait. The host never synchronises inside the timed loop, so a fast loader keeps the GPU
 queue full and its gaps are ~0.
 
-    python scripts/bench_stall_gpu.py [--steps 300] [--layers 6] [--d-model 512] [--batch 16]
+    python benchmarks/stall_gpu.py [--steps 300] [--layers 6] [--d-model 512] [--batch 16]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_loader import ShardWindows, flat_tokens  # noqa: E402
+from loader import ShardWindows, flat_tokens  # noqa: E402
 
 from pytrain import _loader  # noqa: E402
 from pytrain.data import DeviceFeed, TokenLoader  # noqa: E402

@@ -1,7 +1,7 @@
 """Peak memory of pack-shards on a parquet file of several GB, FineWeb-style: many row
 groups, a `text` column among metadata columns, snappy pages.
 
-    python scripts/bench_parquet_memory.py [--gb 2] [--tokenizer byte]
+    python benchmarks/pack_parquet_memory.py [--gb 2] [--tokenizer byte]
 
 The file is made once from real text (random slices of Python sources, so pages do not
 compress away) and kept in --work. pack-shards then runs as a user runs it, in a child

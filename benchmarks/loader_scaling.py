@@ -6,7 +6,7 @@ world sizes 1, 8 and 64 (simulated in one process: rank 0 of W delivers every W-
 batch), and a 3-source mixture next to one dataset, on synthetic GPT-2-like data
 (log-normal document lengths, Zipf ids, uint16, zstd level 3):
 
-    python scripts/bench_loader_scaling.py [--docs 60000] [--seq 1024] [--batch 12] [--seconds 5]
+    python benchmarks/loader_scaling.py [--docs 60000] [--seq 1024] [--batch 12] [--seconds 5]
 
 Per configuration: tokens delivered to this rank per second of loader-thread CPU (threads
 named ptl-*, from /proc), and the loader cores one GPU needs at 0.5 M tokens/s (the 124M

@@ -1,7 +1,7 @@
 """pack-shards as a user runs it (the CLI on JSONL files of real text) next to a bare
 `encode_batch_fast` of the same texts, already in memory, on the same cores; with peak RSS.
 
-    python scripts/bench_pack.py [--mb 40] [--tokenizer tokenizer.json] [--repeats 3]
+    python benchmarks/pack.py [--mb 40] [--tokenizer tokenizer.json] [--repeats 3]
 
 The texts are Python sources (the standard library, then installed packages) written as
 JSONL files of ~8 MB. Without --tokenizer a byte-level BPE of --vocab tokens is trained on

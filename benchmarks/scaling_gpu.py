@@ -4,8 +4,8 @@ per-GPU scaling efficiency, the final loss (every run starts from the same weigh
 reads the same stream, so the losses should agree), peak memory, and the loader's CPU
 time per GPU.
 
-    python scripts/bench_scaling_gpu.py [--gpus 1,2] [--steps 30] [--fsdp] [--profile]
-    python scripts/bench_scaling_gpu.py --preset configs/llama-1b.toml --vocab 128256 \\
+    python benchmarks/scaling_gpu.py [--gpus 1,2] [--steps 30] [--fsdp] [--profile]
+    python benchmarks/scaling_gpu.py --preset configs/llama-1b.toml --vocab 128256 \\
         --set optim.tokens_per_step=131072
 
 The preset's optimizer step is the same number of tokens at every world size (its
@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 from loader_timing import read_for  # noqa: E402
 
 

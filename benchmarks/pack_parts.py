@@ -3,7 +3,7 @@ cores) packing parts and merging them, against one `pack-shards` process given t
 in total, on real text (Python sources of this machine's site-packages as JSONL files) with
 the embedded default's tokenizer.json (a byte-level BPE trained by `tokenizers`).
 
-    PYTHONPATH=$PWD python scripts/bench_pack_parts.py [--workers 1,2,4,8] [--cores-per-worker 2] [--mb 400] [--cpus 0-15] [--repeat 3] [--results rows.json]
+    PYTHONPATH=$PWD python benchmarks/pack_parts.py [--workers 1,2,4,8] [--cores-per-worker 2] [--mb 400] [--cpus 0-15] [--repeat 3] [--results rows.json]
 
 Each Ray worker is a task with --cores-per-worker CPUs (and as many tokenizer threads);
 there are 4 tasks per worker so that an early finisher takes another part. Ray runs twice a
@@ -16,7 +16,7 @@ is known). Wall time includes the merge. Linear is W times one pack-shards proce
 CPUs (the first row); the goal is Ray at >= 0.9 of it up to 8 workers. A table is printed
 last.
 
-    PYTHONPATH=$PWD python scripts/bench_pack_parts.py --in-process 1,16 [--mb 40 --files 16]
+    PYTHONPATH=$PWD python benchmarks/pack_parts.py --in-process 1,16 [--mb 40 --files 16]
 
 instead packs the corpus as 1, then 16 parts one after the other in this one process, as
 a Ray worker runs its tasks (no Ray), and prints each count's wall and CPU seconds, with the

@@ -2,7 +2,7 @@
 by side in one run, on the CPU (or --device): greedy, from one prompt token, the same
 tokens either way (checked).
 
-    python scripts/bench_sample.py [--tokens 256] [--config configs/gpt2-124m.toml]
+    python benchmarks/sample.py [--tokens 256] [--config configs/gpt2-124m.toml]
 
 Without --config: the CPU default model (4 layers, d_model 256). Weights are random: speed
 does not depend on them."""

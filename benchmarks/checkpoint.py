@@ -6,7 +6,7 @@ single-file checkpoint against the sharded one that runs under --fsdp write
 (torch.distributed.checkpoint, FSDP2 on one rank here), whose writer runs 4 threads (4 files
 a rank, written in parallel), and again with DCP's default of 1.
 
-    python scripts/bench_checkpoint.py [--device cuda] [--saves 3]
+    python benchmarks/checkpoint.py [--device cuda] [--saves 3]
 """
 
 from __future__ import annotations

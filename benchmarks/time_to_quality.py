@@ -2,12 +2,12 @@
 token ids, the same model size and tokens per optimizer step, the same wall-clock budget,
 evaluated by one procedure on the same held-out tokens.
 
-    python scripts/time_to_quality.py prepare --work W --tokenizer gpt2.json
-    python scripts/time_to_quality.py run {nanogpt,adamw,muon,adamw-unfused,adamw-plain} --work W [--nanogpt PEER]
-    python scripts/time_to_quality.py eval {nanogpt,adamw,muon,adamw-unfused,adamw-plain} --work W [--nanogpt PEER]
-    python scripts/time_to_quality.py report --results DIR --png curves.png
+    python benchmarks/time_to_quality.py prepare --work W --tokenizer gpt2.json
+    python benchmarks/time_to_quality.py run {nanogpt,adamw,muon,adamw-unfused,adamw-plain} --work W [--nanogpt PEER]
+    python benchmarks/time_to_quality.py eval {nanogpt,adamw,muon,adamw-unfused,adamw-plain} --work W [--nanogpt PEER]
+    python benchmarks/time_to_quality.py report --results DIR --png curves.png
 
-prepare: the Python sources installed on this machine (scripts/realtext.py; every 50th file
+prepare: the Python sources installed on this machine (benchmarks/realtext.py; every 50th file
 held out) become two pack-shards datasets with one GPT-2 BPE, and nanoGPT's train.bin /
 val.bin are written from the same documents' token ids (each ending in <|endoftext|>).
 
@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 STEPS, WARMUP, EVERY = 300, 30, 20
 BATCH, SEQ, ACCUM = 16, 1024, 32
