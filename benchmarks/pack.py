@@ -23,8 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from realtext import python_sources  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.harness import python_sources  # noqa: E402
 
 
 def write_corpus(work: Path, mb: float) -> list[Path]:

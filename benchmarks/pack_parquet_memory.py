@@ -19,8 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-from realtext import python_sources  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.harness import python_sources  # noqa: E402
 
 ROWS_PER_GROUP = 20_000
 

@@ -8,7 +8,7 @@ from the same server. All in one command.
     pip install --no-deps --target .bench-site -r benchmarks/s3.requirements.txt
     python benchmarks/s3.py --streaming-site .bench-site [--text-mb 40] [--seconds 12]
 
-Text: the Python sources of this environment (benchmarks/realtext.py; real text, as JSONL),
+Text: the Python sources of this environment (benchmarks/harness.py; real text, as JSONL),
 a byte-level BPE of 8192 trained on its first megabytes, packed by pack-shards (zstd 3).
 Our loader: the GPT-2 preset's data settings (32 rows of 1024, 4 threads, 32 frames a
 block; `--threads`), as rank 0 of 1. Without a cache, every frame is fetched when it is
@@ -36,11 +36,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks")]
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
 
 import s3_local  # noqa: E402
-from loader_timing import read_for  # noqa: E402
-from realtext import python_sources  # noqa: E402
+
+from benchmarks.harness import python_sources, read_for  # noqa: E402
 
 
 def corpus(work: Path, mb: int) -> Path:

@@ -36,8 +36,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from loader_timing import read_for  # noqa: E402
+sys.path.insert(0, str(ROOT))
+from benchmarks.harness import read_for  # noqa: E402
 
 
 def run(n: int, args, data: Path, fsdp: bool, profile: bool) -> dict:

@@ -7,7 +7,7 @@ evaluated by one procedure on the same held-out tokens.
     python benchmarks/time_to_quality.py eval {nanogpt,adamw,muon,adamw-unfused,adamw-plain} --work W [--nanogpt PEER]
     python benchmarks/time_to_quality.py report --results DIR --png curves.png
 
-prepare: the Python sources installed on this machine (benchmarks/realtext.py; every 50th file
+prepare: the Python sources installed on this machine (benchmarks/harness.py; every 50th file
 held out) become two pack-shards datasets with one GPT-2 BPE, and nanoGPT's train.bin /
 val.bin are written from the same documents' token ids (each ending in <|endoftext|>).
 
@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))
 
 STEPS, WARMUP, EVERY = 300, 30, 20
 BATCH, SEQ, ACCUM = 16, 1024, 32
@@ -66,8 +66,7 @@ NAMES = {
 
 
 def prepare(work: Path, tokenizer: Path, max_mb: int) -> None:
-    from realtext import python_sources
-
+    from benchmarks.harness import python_sources
     from pytrain.data.documents import read_all_documents
 
     if (work / "val.bin").exists():

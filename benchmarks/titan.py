@@ -190,11 +190,11 @@ def default_tokenizer() -> Path:
 
 
 def write_text_jsonl(path: Path, mb: int = 30) -> None:
-    """Python sources of this machine (benchmarks/realtext.py), about `mb` MB, as torchtitan's
+    """Python sources of this machine (benchmarks/harness.py), about `mb` MB, as torchtitan's
     JSONL text (~10M tokens: more than a run of --steps reads; its loader loops)."""
     import json
 
-    from realtext import python_sources
+    from benchmarks.harness import python_sources
 
     with open(path, "w") as f:
         for _, text in python_sources(mb << 20):

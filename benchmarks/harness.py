@@ -1,0 +1,124 @@
+"""benchmarks/: the reproducible benchmarks whose figures BENCHMARKS.md cites, each a script
+run from the repository root (`python benchmarks/NAME.py --help` says what it measures and
+how). This module is what they share: the line naming the machine a run measured (every
+benchmark prints it first), the median of a run's steady steps, Markdown tables, train.log's
+step lines, real text to tokenize, and a timed read of a loader. It imports no torch until
+a function needs it."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import site
+import statistics
+import subprocess
+import sysconfig
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+
+
+def _gpus() -> str:
+    """The GPUs as nvidia-smi names them (model, memory, power limit), alike ones counted
+    once; torch's view where there is no nvidia-smi; "no GPU" where CUDA finds none."""
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        query = "--query-gpu=name,memory.total,power.limit"
+        r = subprocess.run([smi, query, "--format=csv,noheader,nounits"],
+                           capture_output=True, text=True)  # fmt: skip
+        gpus = []
+        for line in r.stdout.strip().splitlines() if r.returncode == 0 else []:
+            name, mib, watts = (x.strip() for x in line.split(","))
+            power = f", {float(watts):.0f} W" if watts.replace(".", "").isdigit() else ""
+            gpus.append(f"{name} ({float(mib) / 1024:.1f} GiB{power})")
+        if gpus:
+            kinds = dict.fromkeys(gpus)
+            return ", ".join(f"{gpus.count(g)}x {g}" for g in kinds)
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no GPU"
+    props = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
+    return ", ".join(f"{p.name} ({p.total_memory / 2**30:.1f} GiB)" for p in props)
+
+
+def _cpus() -> str:
+    """The CPU model (/proc/cpuinfo, where there is one) and how many CPUs this process may
+    use, out of the machine's."""
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = " " + line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    usable, total = len(os.sched_getaffinity(0)), os.cpu_count() or 0
+    return f"{usable} CPUs{model}" + (f" (of {total})" if usable != total else "")
+
+
+def machine_line() -> str:
+    """What a benchmark measured on, in one line: GPUs (model, memory, power limit), CPUs,
+    torch and the CUDA it was built with, Python."""
+    import torch
+
+    cuda = f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA"
+    return (f"machine: {_gpus()}; {_cpus()}; torch {torch.__version__}, {cuda}; "
+            f"Python {platform.python_version()}")  # fmt: skip
+
+
+def median_steady(rows: Iterable[Mapping[str, float]], key: str, skip: int) -> float | None:
+    """The median of `key` over the steps after `skip` (the warm-up: compile, the allocator,
+    the loader's first blocks) of step rows {"step": n, key: value, ...}, as `read_steps`
+    gives them; None where no steady step has `key` (a run cut short, mfu off a GPU)."""
+    values = [row[key] for row in rows if row["step"] > skip and key in row]
+    return statistics.median(values) if values else None
+
+
+def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """A Markdown table: a header, its rule, a line for each row (cells as str() gives them)."""
+    lines = [headers, ["---"] * len(headers), *rows]
+    return "\n".join("| " + " | ".join(str(cell) for cell in line) + " |" for line in lines)
+
+
+def read_steps(log: Path) -> list[dict[str, float]]:
+    """The step lines of a run's train.log (pytrain.train.metrics.read_step_lines, the one
+    reader of their format); none where the run left no log."""
+    from pytrain.train.metrics import read_step_lines  # imports torch: only where used
+
+    return read_step_lines(log.read_text()) if log.exists() else []
+
+
+def python_sources(max_bytes: int) -> Iterator[tuple[str, str]]:
+    """Real text present on every machine that ran `make setup`: (path, text) of the Python
+    sources of the standard library (tests included), then of the installed packages
+    (torch, numpy, ...), in sorted order, until `max_bytes` of text."""
+    roots = [Path(sysconfig.get_paths()["stdlib"])] + [Path(p) for p in site.getsitepackages()]
+    seen, total = set(), 0
+    for root in roots:
+        for p in sorted(root.rglob("*.py")):
+            if p in seen or "site-packages" in p.relative_to(root).as_posix() and root == roots[0]:
+                continue
+            seen.add(p)
+            try:
+                text = p.read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue
+            yield str(p), text
+            total += len(text.encode())
+            if total >= max_bytes:
+                return
+
+
+def read_for(loader, seconds: float) -> tuple[int, float, float]:
+    """(tokens, wall seconds, process CPU seconds) of a TokenLoader's batches (rows x
+    seq_len) read for `seconds`, counted after its first batch (its start-up is not
+    throughput)."""
+    next(loader).release()
+    tokens, t0, c0 = 0, time.perf_counter(), time.process_time()
+    while time.perf_counter() - t0 < seconds:
+        b = next(loader)
+        tokens += b.tokens.shape[0] * (b.tokens.shape[1] - 1)
+        b.release()
+    return tokens, time.perf_counter() - t0, time.process_time() - c0
