@@ -21,11 +21,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shlex
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pytrain.train.metrics import read_step_lines  # noqa: E402
+from benchmarks.harness import median_steady, read_steps  # noqa: E402
 
 # The trainer in this process after capping its share of the GPU's memory. The cap needs
 # torch, and torch must come after the trainer's Inductor guards (they are read at import):
@@ -70,19 +68,17 @@ def run_policy(args, data: Path, policy: str) -> dict:
     with open(log_path, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
         train_log = run_dir / "train.log"
-        done = re.compile(rf"\bstep {args.steps} loss ")  # lines start with a timestamp
         timed_out = False
         while proc.poll() is None:
             time.sleep(2)
-            finished = train_log.exists() and done.search(train_log.read_text())
+            finished = any(x["step"] == args.steps for x in read_steps(train_log))
             timed_out = not finished and time.perf_counter() - t0 > args.timeout
             if finished or timed_out:
                 proc.send_signal(signal.SIGKILL)  # before the final checkpoint (see above)
                 proc.wait()
                 break
     wall = time.perf_counter() - t0
-    text = train_log.read_text() if train_log.exists() else ""
-    steps = read_step_lines(text)
+    steps = read_steps(train_log)
     output = log_path.read_text()
     shutil.rmtree(run_dir, ignore_errors=True)
     if len(steps) < args.steps:
@@ -93,13 +89,11 @@ def run_policy(args, data: Path, policy: str) -> dict:
         else:
             why = (output.strip().splitlines() or ["?"])[-1][:160]
         return {"fits": False, "why": why, "wall_s": wall}
-    late = [x for x in steps if x["step"] > args.steps // 3]
-    mfu = [x["mfu"] for x in late if "mfu" in x]
     peak = [x["reserved_gib"] for x in steps if "reserved_gib" in x]
     return {
         "fits": True,
-        "tokens_per_s": statistics.median(x["tok/s"] for x in late),
-        "mfu": statistics.median(mfu) if mfu else None,
+        "tokens_per_s": median_steady(steps, "tok/s", args.steps // 3),
+        "mfu": median_steady(steps, "mfu", args.steps // 3),
         "peak_gib": max(peak) if peak else None,
         "wall_s": wall,
     }

@@ -15,13 +15,16 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.harness import read_steps  # noqa: E402
 
 SLOW_WRITE = """
 import io, runpy, sys, time, torch
@@ -50,9 +53,9 @@ def train_cmd(train: Path, val: Path, out: Path, steps: int, slow_write: float =
             "--samples", "0", "--deterministic", "--optim.grad_accum", "2"]  # fmt: skip
 
 
-def losses_by_step(log: Path) -> dict[int, str]:
+def losses_by_step(log: Path) -> dict[int, float]:
     """The last logged loss of every step (steps rerun after a kill log again)."""
-    return {int(s): loss for s, loss in re.findall(r"step (\d+) loss (\S+)", log.read_text())}
+    return {int(x["step"]): x["loss"] for x in read_steps(log)}
 
 
 def kill_and_resume(

@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,8 +27,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.harness import median_steady, read_steps  # noqa: E402
 from pytrain.train.cli import read_fallbacks, read_start_line  # noqa: E402
-from pytrain.train.metrics import read_step_lines  # noqa: E402
 
 
 def synthetic_dataset(path: Path, docs: int) -> Path:
@@ -78,19 +77,19 @@ def run_ours(
             if r.stderr.strip()
             else f"rc {r.returncode}",
         }
-    log = (out / name / "train.log").read_text()
     # data_wait_ms: the loop blocked on the loader; feed_ms: all host time getting the
     # step's batches (overlapping the device's queued work). Medians over the same steady
     # steps (a single line is noisy).
-    steady = [x for x in read_step_lines(log) if x["step"] > min(50, steps // 3)]
-    mfu = [x["mfu"] for x in steady if "mfu" in x]
+    rows, skip = read_steps(out / name / "train.log"), min(50, steps // 3)
+    if median_steady(rows, "tok/s", skip) is None:
+        return {"name": name, "error": f"no step after step {skip} in train.log"}
     return {
         "name": name,
-        "tokens_per_s": statistics.median(x["tok/s"] for x in steady),
-        "step_ms": statistics.median(x["step_ms"] for x in steady),
-        "data_wait_ms": statistics.median(x["data_wait_ms"] for x in steady),
-        "feed_ms": statistics.median(x["feed_ms"] for x in steady),
-        "mfu": statistics.median(mfu) if mfu else None,
+        "tokens_per_s": median_steady(rows, "tok/s", skip),
+        "step_ms": median_steady(rows, "step_ms", skip),
+        "data_wait_ms": median_steady(rows, "data_wait_ms", skip),
+        "feed_ms": median_steady(rows, "feed_ms", skip),
+        "mfu": median_steady(rows, "mfu", skip),
         "wall_s": wall,
         "compile_line": next(
             (line for line in r.stdout.splitlines() if line.startswith("compile:")), ""

@@ -28,7 +28,6 @@ import argparse
 import json
 import re
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,7 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.harness import read_for  # noqa: E402
+from benchmarks.harness import median_steady, read_for, read_steps  # noqa: E402
 
 
 def run(n: int, args, data: Path, fsdp: bool, profile: bool) -> dict:
@@ -71,12 +70,12 @@ def run(n: int, args, data: Path, fsdp: bool, profile: bool) -> dict:
         print(r.stdout[-2000:], r.stderr[-4000:], file=sys.stderr)
         tail = (r.stderr.strip().splitlines() or ["?"])[-1][:200]
         return {"gpus": n, "wrapper": label, "error": tail, "wall_s": wall}
-    log = (out / name / "train.log").read_text()
-    steps = re.findall(r"step (\d+) loss (\S+) lr \S+ grad_norm \S+ tok/s ([\d,]+)", log)
+    steps = read_steps(out / name / "train.log")
     # The profiled steps, and the one after them (its period includes the trace's writing).
     skip = set(range(args.steps - 4, args.steps + 1)) if profile else set()
     warm = max(3, args.steps // 3)
-    toks = [float(t.replace(",", "")) for s, _, t in steps if int(s) > warm and int(s) not in skip]
+    measured = [x for x in steps if x["step"] not in skip]
+    tokens_per_s = median_steady(measured, "tok/s", warm)
     peak = re.search(r"peak GPU memory ([\d.]+) GB", r.stdout)
     accum = re.search(r"gradient accumulation: (\d+) micro-batches", r.stdout)
     summary = out / name / "profile" / "summary.md"
@@ -85,9 +84,9 @@ def run(n: int, args, data: Path, fsdp: bool, profile: bool) -> dict:
         "wrapper": label,
         "plan": plan and r.stdout[plan.start() :].splitlines()[0],
         "accum": int(accum.group(1)) if accum else None,
-        "final_loss": steps[-1][1] if steps else None,
-        "tokens_per_s": statistics.median(toks) if toks else float("nan"),
-        "steps_measured": len(toks),
+        "final_loss": f"{steps[-1]['loss']:.4f}" if steps else None,
+        "tokens_per_s": float("nan") if tokens_per_s is None else tokens_per_s,
+        "steps_measured": sum(x["step"] > warm for x in measured),
         "peak_gb": float(peak.group(1)) if peak else None,
         "wall_s": wall,
         "profile": summary.read_text() if summary.exists() else None,

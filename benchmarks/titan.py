@@ -41,7 +41,6 @@ import os
 import re
 import shlex
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,6 +48,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.harness import median_steady, read_steps  # noqa: E402
+
 PEAK_TFLOPS = 989.0  # H100 SXM dense bf16
 RUNS = ("ours bf16", "ours preset", "ours fp8",
         "torchtitan bf16", "torchtitan fp8", "torchtitan fp8 output-bf16")  # fmt: skip
@@ -91,10 +92,6 @@ def flops_per_token(seq: int) -> float:
     return formula(n, cfg.n_layer, cfg.n_head, cfg.head_dim, seq)
 
 
-def steady(values: list[tuple[int, float]], steps: int) -> float:
-    return statistics.median(v for s, v in values if s > steps // 3)
-
-
 def run_titan(
     work: Path, site: Path, seq: int, rows: int, accum: int, steps: int, label: str,
     float8: list[str] | None, val: Path | None = None,
@@ -128,13 +125,13 @@ def run_titan(
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     log = re.sub(r"\x1b\[[0-9;]*m", "", r.stdout + r.stderr)
     (work / f"titan-{seq}-{label.replace(' ', '-')}.log").write_text(log)
-    logged = [(int(s), float(t.replace(",", "")), float(m))
+    logged = [{"step": int(s), "tok/s": float(t.replace(",", "")), "memory_gib": float(m)}
             for s, m, t in re.findall(r"(?<!validate )step:\s*(\d+).*?memory:\s*([\d.]+)GiB.*?tps: ([\d,]+)", log)]  # fmt: skip
     if r.returncode or not logged:
         return {"error": (log.strip().splitlines() or ["?"])[-1][:200]}
     vals = re.findall(r"validate step:\s*\d+\s+loss:\s*([\d.]+)", log)
-    return {"tokens_per_s": steady([(s, t) for s, t, _ in logged], steps),
-            "peak_gib": max(m for *_, m in logged),
+    return {"tokens_per_s": median_steady(logged, "tok/s", steps // 3),
+            "peak_gib": max(x["memory_gib"] for x in logged),
             **({"val_loss": float(vals[-1])} if vals else {})}  # fmt: skip
 
 
@@ -146,7 +143,6 @@ def run_ours(
     packed train and validation text, evaluated at the last step, with a short warm-up."""
     from pytrain import _loader
     from pytrain.train.cli import read_fallbacks, read_start_line
-    from pytrain.train.metrics import read_step_lines
 
     data = work / "syn128k"
     if text is not None:
@@ -168,7 +164,7 @@ def run_ours(
         shutil.rmtree(ckpt) if ckpt.is_dir() else ckpt.unlink()
     (work / f"{name}.log").write_text(r.stdout + r.stderr)
     log = work / "runs" / name / "train.log"
-    logged = read_step_lines(log.read_text()) if log.exists() else []
+    logged = read_steps(log)
     peak = re.search(r"\(([\d.]+) GiB reserved\)", r.stdout)
     if r.returncode or not logged:
         return {"error": (r.stderr.strip().splitlines() or ["?"])[-1][:200]}
@@ -177,7 +173,7 @@ def run_ours(
     # slower), and any compile fallback: the table shows both beside the figures.
     start = read_start_line(r.stdout) or {}
     setup = ", ".join(start[k] for k in ("attention", "output_layer", "mlp") if k in start)
-    return {"tokens_per_s": steady([(x["step"], x["tok/s"]) for x in logged], steps),
+    return {"tokens_per_s": median_steady(logged, "tok/s", steps // 3),
             "peak_gib": float(peak.group(1)) if peak else float("nan"),
             "setup": "; ".join([setup or "?", *read_fallbacks(r.stdout + r.stderr)]),
             **({"val_loss": float(vals[-1])} if vals else {})}  # fmt: skip
