@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.harness import machine_line, markdown_table  # noqa: E402
 from pytrain.model.config import ModelConfig  # noqa: E402
 from pytrain.model.gpt import GPT  # noqa: E402
 from pytrain.train import checkpoint, sharded_checkpoint  # noqa: E402
@@ -137,6 +138,7 @@ def main() -> int:
     p.add_argument("--saves", type=int, default=3)
     p.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
     args = p.parse_args()
+    print(machine_line(), flush=True)
     cfg = ModelConfig(vocab_size=50304, n_layer=12, n_head=12, d_model=768, mlp="gelu")
     model = GPT(cfg).to(args.device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -168,18 +170,14 @@ def main() -> int:
         trips = round_trips(cfg, args.device, work, args.saves, rows)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(
-        f"GPT-2 124M state: {gb:.2f} GB on {args.device}; torch {torch.__version__}; {args.saves} saves each"
-    )
-    print("| save | loop held (min) | loop held (max) | save done after |")
-    print("|---|---|---|---|")
-    for mode, lo, hi, done in rows:
-        print(f"| {mode} | {lo * 1e3:.1f} ms | {hi * 1e3:.1f} ms | {done:.2f} s |")
+    print(f"GPT-2 124M state: {gb:.2f} GB on {args.device}; {args.saves} saves each")
+    held = [(mode, f"{lo * 1e3:.1f} ms", f"{hi * 1e3:.1f} ms", f"{done:.2f} s")
+            for mode, lo, hi, done in rows]  # fmt: skip
+    print(markdown_table(["save", "loop held (min)", "loop held (max)", "save done after"], held))
     print("\nround trip (best of the saves): save, then load into the model and optimizer")
-    print("| checkpoint | save s | load s | round trip s |")
-    print("|---|---|---|---|")
-    for kind, save, load in trips:
-        print(f"| {kind} | {save:.2f} | {load:.2f} | {save + load:.2f} |")
+    trip_rows = [(kind, f"{save:.2f}", f"{load:.2f}", f"{save + load:.2f}")
+                 for kind, save, load in trips]  # fmt: skip
+    print(markdown_table(["checkpoint", "save s", "load s", "round trip s"], trip_rows))
     return 0
 
 

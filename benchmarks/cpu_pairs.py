@@ -27,9 +27,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pack_parts import cpu_list  # noqa: E402
+from benchmarks.harness import machine_line  # noqa: E402
+from benchmarks.pack_parts import cpu_list  # noqa: E402
 
 
 def _spin(n: int) -> int:
@@ -165,6 +166,7 @@ def main() -> None:
             f" and {len(unknown) - 8} more" if len(unknown) > 8 else ""
         )
         raise SystemExit(f"--cpus: CPU {shown} not among the {len(usable)} this process may use")
+    print(machine_line(), flush=True)
     n = 200_000
     while (t := run_on(cpus[:1], n, 1)[cpus[0]]) < args.seconds / 4:  # calibrated on one CPU
         n *= 4

@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import median_steady, read_steps  # noqa: E402
+from benchmarks.harness import machine_line, markdown_table, median_steady, read_steps  # noqa: E402
 
 # The trainer in this process after capping its share of the GPU's memory. The cap needs
 # torch, and torch must come after the trainer's Inductor guards (they are read at import):
@@ -114,8 +114,7 @@ def main() -> int:
     p.add_argument("--flags", default="", help="more trainer flags for every run, one shell string")
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "pytrain-fit")
     args = p.parse_args()
-    import torch
-
+    print(machine_line(), flush=True)
     from pytrain import _loader
 
     args.work.mkdir(parents=True, exist_ok=True)
@@ -126,18 +125,18 @@ def main() -> int:
     for policy in args.policies.split(","):
         results[policy] = run_policy(args, data, policy)
         print(f"{policy}: {results[policy]}", flush=True)
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    print(f"\n{args.preset.name} on one {gpu}, capped at {args.gpu_gb:g} GiB, vocabulary "
+    print(f"\n{args.preset.name} on one GPU, capped at {args.gpu_gb:g} GiB, vocabulary "
           f"{args.vocab}, {args.accum} micro-batches a step, {time.strftime('%Y-%m-%d')}\n")  # fmt: skip
-    print("| activation checkpointing | fits | tok/s | MFU | peak GiB reserved |")
-    print("|---|---|---|---|---|")
+    rows = []
     for policy, r in results.items():
         if r["fits"]:
             mfu = f"{r['mfu']:.1%}" if r["mfu"] else "-"
             peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] else "-"
-            print(f"| {policy} | yes | {r['tokens_per_s']:,.0f} | {mfu} | {peak} |")
+            rows.append([policy, "yes", f"{r['tokens_per_s']:,.0f}", mfu, peak])
         else:
-            print(f"| {policy} | no: {r['why']} | - | - | - |")
+            rows.append([policy, f"no: {r['why']}", "-", "-", "-"])
+    headers = ["activation checkpointing", "fits", "tok/s", "MFU", "peak GiB reserved"]
+    print(markdown_table(headers, rows))
     return 0
 
 

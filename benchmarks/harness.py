@@ -76,10 +76,15 @@ def median_steady(rows: Iterable[Mapping[str, float]], key: str, skip: int) -> f
     return statistics.median(values) if values else None
 
 
+def markdown_row(cells: Sequence[object]) -> str:
+    """One line of a Markdown table (cells as str() gives them): what a benchmark prints as
+    each row is measured, under `markdown_table(headers, [])`."""
+    return "| " + " | ".join(str(cell) for cell in cells) + " |"
+
+
 def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
-    """A Markdown table: a header, its rule, a line for each row (cells as str() gives them)."""
-    lines = [headers, ["---"] * len(headers), *rows]
-    return "\n".join("| " + " | ".join(str(cell) for cell in line) + " |" for line in lines)
+    """A Markdown table: the header, its rule and a line for each row."""
+    return "\n".join(markdown_row(line) for line in [headers, ["---"] * len(headers), *rows])
 
 
 def read_steps(log: Path) -> list[dict[str, float]]:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.harness import read_steps  # noqa: E402
+from benchmarks.harness import machine_line, read_steps  # noqa: E402
 
 SLOW_WRITE = """
 import io, runpy, sys, time, torch
@@ -125,6 +125,7 @@ def main() -> int:
     p.add_argument("--slow-write", type=float, default=0.0)
     p.add_argument("--work", type=Path, default=Path(tempfile.mkdtemp(prefix="pytrain-kill-")))
     args = p.parse_args()
+    print(machine_line(), flush=True)
     from pytrain import _loader
 
     for split, seed in (("train", 1), ("val", 2)):

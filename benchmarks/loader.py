@@ -30,8 +30,11 @@ import numpy as np
 import torch
 import zstandard
 
-from pytrain import _loader
-from pytrain.data import TokenLoader
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.harness import machine_line, markdown_table  # noqa: E402
+from pytrain import _loader  # noqa: E402
+from pytrain.data import TokenLoader  # noqa: E402
 
 
 def cpu_seconds() -> float:
@@ -177,6 +180,7 @@ def main() -> int:
         "--plot", type=Path, default=None, help="write a bar chart of tokens/s per core here (PNG)"
     )
     args = p.parse_args()
+    print(machine_line(), flush=True)
     pin = torch.cuda.is_available()
     paths = {}
     name = f"real-{args.dataset.name}" if args.dataset else f"synthetic-{args.docs}"
@@ -208,20 +212,19 @@ def main() -> int:
     import os
 
     print(
-        f"\n{len(data):,} tokens; batch {args.batch} x {args.seq + 1}; pinned {pin}; {os.cpu_count()} cores; {args.repeats} repeats (min / median)"
+        f"\n{len(data):,} tokens; batch {args.batch} x {args.seq + 1}; pinned {pin}; {args.repeats} repeats (min / median)"
     )
-    print("| loader | M tokens/s | M tokens/s per core | first batch s |")
-    print("|---|---|---|---|")
-    best_baseline = 0.0
+    best_baseline, rows = 0.0, []
     for name, rs in results.items():
         pc = sorted(r["per_core"] for r in rs)
         ts = sorted(r["tokens_per_s"] for r in rs)
         fb = sorted(r["first_batch_s"] for r in rs)
         if not name.startswith("ours"):
             best_baseline = max(best_baseline, pc[len(pc) // 2])
-        print(
-            f"| {name} | {ts[0] / 1e6:.1f} / {ts[len(ts) // 2] / 1e6:.1f} | {pc[0] / 1e6:.1f} / {pc[len(pc) // 2] / 1e6:.1f} | {fb[len(fb) // 2]:.3f} |"
-        )
+        rows.append([name, f"{ts[0] / 1e6:.1f} / {ts[len(ts) // 2] / 1e6:.1f}",
+                     f"{pc[0] / 1e6:.1f} / {pc[len(pc) // 2] / 1e6:.1f}", f"{fb[len(fb) // 2]:.3f}"])  # fmt: skip
+    headers = ["loader", "M tokens/s", "M tokens/s per core", "first batch s"]
+    print(markdown_table(headers, rows))
     ours_pc = max(
         sorted(r["per_core"] for r in results[k])[len(results[k]) // 2]
         for k in results

@@ -17,6 +17,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.harness import machine_line, markdown_table  # noqa: E402
+
 CHILD = r"""
 import json, sys
 from pathlib import Path
@@ -51,6 +55,7 @@ def main() -> int:
         "--work", type=Path, default=Path(tempfile.gettempdir()) / "pytrain-bench-memory"
     )
     args = p.parse_args()
+    print(machine_line(), flush=True)
     from pytrain import _loader
 
     rows = []
@@ -73,15 +78,16 @@ def main() -> int:
         m = json.loads(r.stdout.strip().splitlines()[-1])
         rows.append((n, m, index_mb, disk_mb))
         print(n, m, flush=True)
-    print(
-        "\n| documents | tokens | shards on disk MiB | doc-length index MiB | heap after open MiB | heap after 200 batches MiB | mapped resident after 200 batches MiB |"
-    )
-    print("|---|---|---|---|---|---|---|")
+    cells = []
     for n, m, index_mb, disk_mb in rows:
         b = m["base"]["RssAnon"]
-        print(
-            f"| {n:,} | {m['tokens']:,} | {disk_mb:,.0f} | {index_mb:,.0f} | {m['opened']['RssAnon'] - b:,.1f} | {m['after']['RssAnon'] - b:,.1f} | {m['after']['RssFile'] - m['base']['RssFile']:,.1f} |"
-        )
+        cells.append([f"{n:,}", f"{m['tokens']:,}", f"{disk_mb:,.0f}", f"{index_mb:,.0f}",
+                      f"{m['opened']['RssAnon'] - b:,.1f}", f"{m['after']['RssAnon'] - b:,.1f}",
+                      f"{m['after']['RssFile'] - m['base']['RssFile']:,.1f}"])  # fmt: skip
+    headers = ["documents", "tokens", "shards on disk MiB", "doc-length index MiB",
+               "heap after open MiB", "heap after 200 batches MiB",
+               "mapped resident after 200 batches MiB"]  # fmt: skip
+    print("\n" + markdown_table(headers, cells))
     return 0
 
 

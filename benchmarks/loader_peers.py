@@ -22,6 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.harness import machine_line, markdown_table  # noqa: E402
+
 
 def corpus(path: Path, docs: int) -> list[np.ndarray]:
     from pytrain import _loader
@@ -185,6 +189,7 @@ def main() -> int:
             )
         )
         return 0
+    print(machine_line(), flush=True)
     ours = args.work / "ours"
     docs = corpus(ours, args.docs)
     paths = {
@@ -232,15 +237,17 @@ def main() -> int:
     print(
         f"\n{len(docs):,} documents, {tokens:,} tokens; batch {args.batch} x {args.seq + 1}; min / median of {args.repeats}"
     )
-    print("| loader | M tokens/s | M tokens/s per core | first batch s | peak RSS MB | disk MB |")
-    print("|---|---|---|---|---|---|")
+    table = []
     for name, rs in rows.items():
         med = lambda k, rs=rs: sorted(r[k] for r in rs)[len(rs) // 2]  # noqa: E731
         lo = lambda k, rs=rs: min(r[k] for r in rs)  # noqa: E731
         disk = sum(f.stat().st_size for f in paths[name].rglob("*") if f.is_file()) / 1e6
-        print(
-            f"| {name} | {lo('tokens_per_s') / 1e6:.1f} / {med('tokens_per_s') / 1e6:.1f} | {lo('per_core') / 1e6:.1f} / {med('per_core') / 1e6:.1f} | {med('first_batch_s'):.2f} | {med('peak_rss_mb'):,.0f} | {disk:,.1f} |"
-        )
+        table.append([name, f"{lo('tokens_per_s') / 1e6:.1f} / {med('tokens_per_s') / 1e6:.1f}",
+                      f"{lo('per_core') / 1e6:.1f} / {med('per_core') / 1e6:.1f}",
+                      f"{med('first_batch_s'):.2f}", f"{med('peak_rss_mb'):,.0f}", f"{disk:,.1f}"])  # fmt: skip
+    headers = ["loader", "M tokens/s", "M tokens/s per core", "first batch s", "peak RSS MB",
+               "disk MB"]  # fmt: skip
+    print(markdown_table(headers, table))
     return 0
 
 

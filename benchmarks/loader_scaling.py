@@ -20,9 +20,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from pytrain import _loader
-from pytrain.data import TokenLoader
-from pytrain.train.metrics import loader_cpu_seconds
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.harness import machine_line, markdown_row, markdown_table  # noqa: E402
+from pytrain import _loader  # noqa: E402
+from pytrain.data import TokenLoader  # noqa: E402
+from pytrain.train.metrics import loader_cpu_seconds  # noqa: E402
 
 GPU_TOKENS_PER_S = 0.5e6
 
@@ -55,6 +58,7 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=5.0, help="per configuration")
     p.add_argument("--work", type=Path, default=None)
     args = p.parse_args()
+    print(machine_line(), flush=True)
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-scaling-"))
     paths = {}
     for i, name in enumerate(["web", "code", "math"]):
@@ -67,10 +71,9 @@ def main() -> int:
     print(
         f"rank 0's loader, 1 thread, batches of {args.batch}x{args.seq + 1}, {args.seconds:.0f} s each"
     )
-    print(
-        "| configuration | tokens/s per loader core | tokens/s (wall) | loader cores per GPU at 0.5 M tok/s |"
-    )
-    print("|---|---|---|---|")
+    headers = ["configuration", "tokens/s per loader core", "tokens/s (wall)",
+               "loader cores per GPU at 0.5 M tok/s"]  # fmt: skip
+    print(markdown_table(headers, []))
     rows = [
         (f"one dataset, world {w}", paths["web"], None, dict(rank=0, world_size=w))
         for w in (1, 8, 64)
@@ -94,10 +97,9 @@ def main() -> int:
     shares: list[str] = []
     for label, source, weights, extra in rows:
         per_core, per_wall, by_source = measure(source, args.seconds, weights, **kw, **extra)
-        print(
-            f"| {label} | {per_core / 1e6:.1f} M | {per_wall / 1e6:.1f} M | {GPU_TOKENS_PER_S / per_core:.3f} |"
-        )
-        sys.stdout.flush()
+        cells = [label, f"{per_core / 1e6:.1f} M", f"{per_wall / 1e6:.1f} M",
+                 f"{GPU_TOKENS_PER_S / per_core:.3f}"]  # fmt: skip
+        print(markdown_row(cells), flush=True)
         if weights:
             total = sum(by_source.values())
             shares.append(

@@ -27,7 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.harness import median_steady, read_steps  # noqa: E402
+from benchmarks.harness import machine_line, markdown_table, median_steady, read_steps  # noqa: E402
 from pytrain.train.cli import read_fallbacks, read_start_line  # noqa: E402
 
 
@@ -177,9 +177,7 @@ def main() -> int:
     )
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
-    import torch
-
-    env = f"torch {torch.__version__}, {torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'}"
+    env = machine_line()
     print(env, flush=True)
     data = synthetic_dataset(args.work / "synthetic-50k", 40_000)
     # nanoGPT first: the baseline of every ratio, so a run cut short by a time limit still
@@ -233,19 +231,21 @@ def main() -> int:
     base = peers[0].get("tokens_per_s")
     if args.json:
         args.json.write_text(json.dumps({"env": env, "results": results}, indent=1))
-    print(
-        f"\n| run ({env}) | attention | output layer | mlp | tokens/s | step ms | data wait ms | host feed ms | MFU (989 TF peak) | vs nanoGPT |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
     for r in results:
         if "error" in r:
-            print(f"| {r['name']} | | | | failed: {r['error']} | | | | | |")
+            rows.append([r["name"], "", "", "", f"failed: {r['error']}", "", "", "", "", ""])
             continue
         ratio = f"{r['tokens_per_s'] / base:.3f}x" if base else "-"
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "-"
-        print(
-            f"| {r['name']}{' (fell back)' if r.get('fallbacks') else ''} | {r.get('attention', 'causal')} | {r.get('output_layer', 'bf16')} | {r.get('mlp', 'gelu')} | {r['tokens_per_s']:,.0f} | {r['step_ms']:.1f} | {r.get('data_wait_ms', float('nan')):.2f} | {r.get('feed_ms', float('nan')):.2f} | {mfu} | {ratio} |"
-        )
+        rows.append([f"{r['name']}{' (fell back)' if r.get('fallbacks') else ''}",
+                     r.get("attention", "causal"), r.get("output_layer", "bf16"), r.get("mlp", "gelu"),
+                     f"{r['tokens_per_s']:,.0f}", f"{r['step_ms']:.1f}",
+                     f"{r.get('data_wait_ms', float('nan')):.2f}",
+                     f"{r.get('feed_ms', float('nan')):.2f}", mfu, ratio])  # fmt: skip
+    headers = ["run", "attention", "output layer", "mlp", "tokens/s", "step ms", "data wait ms",
+               "host feed ms", "MFU (989 TF peak)", "vs nanoGPT"]  # fmt: skip
+    print("\n" + markdown_table(headers, rows))
     for r in results:
         for line in r.get("fallbacks", []):
             print(f"note: {r['name']}: {line}")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.harness import python_sources  # noqa: E402
+from benchmarks.harness import machine_line, markdown_table, python_sources  # noqa: E402
 
 
 def write_corpus(work: Path, mb: float) -> list[Path]:
@@ -107,6 +107,7 @@ def main() -> int:
               "pack": lambda: child_pack(rest[0], rest[1], rest[2])}[kind]  # fmt: skip
         print(json.dumps(fn()))
         return 0
+    print(machine_line(), flush=True)
     args.work.mkdir(parents=True, exist_ok=True)
     corpus = args.work / f"corpus-{args.mb:g}mb"
     if not corpus.exists():
@@ -133,19 +134,19 @@ def main() -> int:
     med = {k: statistics.median(r["seconds"] for r in v) for k, v in results.items()}
     print(
         f"\n{len(files)} JSONL files, {mb:.1f} MB of real text (Python sources); tokenizer "
-        f"{Path(tokenizer).name}; {os.cpu_count()} cores; {tokens:,} tokens (with EOS); "
+        f"{Path(tokenizer).name}; {tokens:,} tokens (with EOS); "
         f"median of {args.repeats}"
     )
-    print("| run | seconds | MB/s | M tokens/s | peak RSS MB | pack-shards vs this |")
-    print("|---|---|---|---|---|---|")
+    rows = []
     for k, label in (("bare", "bare `encode_batch_fast` (texts in memory)"),
                      ("bare+ids", "bare + reading every id"),
                      ("pack", "pack-shards CLI (read JSONL + tokenize + compress + write)")):  # fmt: skip
         s = med[k]
         rss = max(r["rss_mb"] for r in results[k])
-        print(
-            f"| {label} | {s:.2f} | {mb / s:.2f} | {tokens / s / 1e6:.2f} | {rss:.0f} | {s / med['pack']:.3f}x |"
-        )
+        rows.append([label, f"{s:.2f}", f"{mb / s:.2f}", f"{tokens / s / 1e6:.2f}", f"{rss:.0f}",
+                     f"{s / med['pack']:.3f}x"])  # fmt: skip
+    headers = ["run", "seconds", "MB/s", "M tokens/s", "peak RSS MB", "pack-shards vs this"]
+    print(markdown_table(headers, rows))
     print(
         "per repeat (s): "
         + "; ".join(

@@ -21,7 +21,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.harness import python_sources  # noqa: E402
+from benchmarks.harness import machine_line, python_sources  # noqa: E402
 
 ROWS_PER_GROUP = 20_000
 
@@ -68,6 +68,7 @@ def main() -> int:
         "--work", type=Path, default=Path(tempfile.gettempdir()) / "pytrain-bench-parquet"
     )
     args = p.parse_args()
+    print(machine_line(), flush=True)
     import pyarrow.parquet as pq
 
     args.work.mkdir(parents=True, exist_ok=True)
@@ -97,7 +98,7 @@ def main() -> int:
         return 1
     print(
         f"pack-shards: {seconds:.0f}s, {path.stat().st_size / 1e6 / seconds:.1f} MB/s of parquet, "
-        f"peak RSS {usage.ru_maxrss / 1024:.0f} MB ({os.cpu_count()} cores)"
+        f"peak RSS {usage.ru_maxrss / 1024:.0f} MB"
     )
     return 0
 

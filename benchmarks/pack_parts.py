@@ -39,6 +39,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.harness import machine_line, markdown_row, markdown_table  # noqa: E402
 
 
 def corpus(work: Path, mb: float, files: int) -> Path:
@@ -114,8 +115,8 @@ def parts_in_one_process(work: Path, raw: Path, tok: str, mb: float, counts: lis
     from pytrain.data.inputs import BadInputs, ReadOptions
     from pytrain.data.parts import pack_part
 
-    print(f"\n{mb:.0f} MB of JSONL, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d')}\n")
-    print("| parts | encoder | wall s | CPU s | cores busy |\n|---|---|---|---|---|")
+    print(f"\n{mb:.0f} MB of JSONL, {time.strftime('%Y-%m-%d')}\n")
+    print(markdown_table(["parts", "encoder", "wall s", "CPU s", "cores busy"], []))
     for n in counts:
         for cold in (False, True):
             out = work / f"inproc-{n}"
@@ -129,7 +130,9 @@ def parts_in_one_process(work: Path, raw: Path, tok: str, mb: float, counts: lis
                 pack_part([str(raw)], out, i, n, opts, ReadOptions(), BadInputs())
             wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
             how = "new one per part" if cold else "warm (shipped)"
-            print(f"| {n} | {how} | {wall:.2f} | {cpu:.2f} | {cpu / wall:.2f} |", flush=True)
+            print(
+                markdown_row([n, how, f"{wall:.2f}", f"{cpu:.2f}", f"{cpu / wall:.2f}"]), flush=True
+            )
     return 0
 
 
@@ -248,6 +251,7 @@ def main() -> int:
     p.add_argument("--in-process", default=None,
                    help="part counts to pack one after the other in this process (e.g. 1,16), no Ray")  # fmt: skip
     args = p.parse_args()
+    print(machine_line(), flush=True)
     from pytrain.data.corpus import build_default
 
     work = args.work
@@ -295,17 +299,17 @@ def main() -> int:
     rows.sort()
     one = rows[0][2] / rows[0][0]
     used = cpus[: rows[-1][1]]
-    print(f"\npack-shards on Ray workers, {time.strftime('%Y-%m-%d')}, CPUs {','.join(map(str, used))} (of {os.cpu_count()}; "
-          f"{physical_cores(used)}), {mb:.0f} MB of JSONL in {args.files} files, {k} cores a worker"
+    print(f"\npack-shards on Ray workers, {time.strftime('%Y-%m-%d')}, CPUs {','.join(map(str, used))} "
+          f"({physical_cores(used)}), {mb:.0f} MB of JSONL in {args.files} files, {k} cores a worker"
           f"{f', the median of {args.repeat} runs a row' if args.repeat > 1 else ''}\n")  # fmt: skip
-    print("| workers | cores | one pack-shards M tok/s | Ray workers M tok/s (started: M tok/s) "
-          "| independent processes M tok/s | Ray / one process | Ray / linear (started) "
-          "| independent / linear | Ray / independent (started) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
-    for w, cores, single, cold, parts, array in rows:
-        print(f"| {w} | {cores} | {single / 1e6:.2f} | {cold / 1e6:.2f} ({parts / 1e6:.2f}) | {array / 1e6:.2f} "
-              f"| {cold / single:.2f} | {cold / (w * one):.2f} ({parts / (w * one):.2f}) "
-              f"| {array / (w * one):.2f} | {cold / array:.2f} ({parts / array:.2f}) |")  # fmt: skip
+    headers = ["workers", "cores", "one pack-shards M tok/s", "Ray workers M tok/s (started: M tok/s)",
+               "independent processes M tok/s", "Ray / one process", "Ray / linear (started)",
+               "independent / linear", "Ray / independent (started)"]  # fmt: skip
+    print(markdown_table(headers, [
+        [w, cores, f"{single / 1e6:.2f}", f"{cold / 1e6:.2f} ({parts / 1e6:.2f})", f"{array / 1e6:.2f}",
+         f"{cold / single:.2f}", f"{cold / (w * one):.2f} ({parts / (w * one):.2f})",
+         f"{array / (w * one):.2f}", f"{cold / array:.2f} ({parts / array:.2f})"]
+        for w, cores, single, cold, parts, array in rows]))  # fmt: skip
     return 0
 
 

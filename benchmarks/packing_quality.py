@@ -14,8 +14,11 @@ from pathlib import Path
 
 import numpy as np
 
-from pytrain.data import TokenLoader
-from pytrain.data.documents import doc_lengths
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.harness import machine_line, markdown_row, markdown_table  # noqa: E402
+from pytrain.data import TokenLoader  # noqa: E402
+from pytrain.data.documents import doc_lengths  # noqa: E402
 
 
 def main() -> int:
@@ -27,13 +30,14 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--frames-per-block", type=int, default=4)
     args = p.parse_args()
+    print(machine_line(), flush=True)
     lens = doc_lengths(args.dataset)
     must_cut = int((lens > args.seq + 1).sum())
     print(
         f"{args.dataset}: {len(lens):,} documents, {int(lens.sum()):,} tokens, median length {int(np.median(lens))}; {must_cut:,} longer than a row of {args.seq + 1}"
     )
-    print("| strategy | padding share | documents cut | cut beyond those longer than a row |")
-    print("|---|---|---|---|")
+    headers = ["strategy", "padding share", "documents cut", "cut beyond those longer than a row"]
+    print(markdown_table(headers, []))
     for strategy in ("best_fit", "concat"):
         loader = TokenLoader(
             args.dataset,
@@ -49,9 +53,9 @@ def main() -> int:
         s = loader.stats()
         pad = s["pad_tokens"] / (s["pad_tokens"] + s["doc_tokens"])
         cut = s["documents_cut"] / s["documents_packed"]
-        print(
-            f"| {strategy} | {pad:.3%} | {cut:.2%} ({s['documents_cut']:,}) | {s['documents_cut'] - must_cut:,} |"
-        )
+        cells = [strategy, f"{pad:.3%}", f"{cut:.2%} ({s['documents_cut']:,})",
+                 f"{s['documents_cut'] - must_cut:,}"]  # fmt: skip
+        print(markdown_row(cells), flush=True)
     return 0
 
 

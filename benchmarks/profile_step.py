@@ -23,8 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from nanogpt import synthetic_dataset  # noqa: E402 (benchmarks/ is sys.path[0])
-
+from benchmarks.harness import machine_line, markdown_table  # noqa: E402
+from benchmarks.nanogpt import synthetic_dataset  # noqa: E402
 from pytrain.train.profiling import StepProfiler, format_summary  # noqa: E402
 
 
@@ -96,6 +96,7 @@ def main() -> int:
     )
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "pytrain-bench")
     args = p.parse_args()
+    print(machine_line(), flush=True)
     data = synthetic_dataset(args.work / "synthetic-50k", 40_000)
     t0 = time.perf_counter()
     batch = None if args.as_shipped else args.batch
@@ -108,13 +109,13 @@ def main() -> int:
     for name, s in (("ours " + args.ours_flags, ours), ("nanoGPT", theirs)):
         print(f"\n## {name}\n\n{format_summary(s)}")
     cats = sorted(set(ours["categories_ms"]) | set(theirs["categories_ms"]))
-    print("\n| ms per step | ours | nanoGPT |\n|---|---|---|")
-    for key, label in (("step_ms", "step (wall)"), ("device_busy_ms", "device busy"),
-                       ("device_idle_ms", "device idle")):  # fmt: skip
-        print(f"| {label} | {ours[key]:.2f} | {theirs[key]:.2f} |")
+    rows = [[label, f"{ours[key]:.2f}", f"{theirs[key]:.2f}"]
+            for key, label in (("step_ms", "step (wall)"), ("device_busy_ms", "device busy"),
+                               ("device_idle_ms", "device idle"))]  # fmt: skip
     for c in cats:
         a, b = ours["categories_ms"].get(c, 0.0), theirs["categories_ms"].get(c, 0.0)
-        print(f"| {c} | {a:.2f} | {b:.2f} |")
+        rows.append([c, f"{a:.2f}", f"{b:.2f}"])
+    print("\n" + markdown_table(["ms per step", "ours", "nanoGPT"], rows))
     return 0
 
 

@@ -40,7 +40,7 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
 
 import s3_local  # noqa: E402
 
-from benchmarks.harness import python_sources, read_for  # noqa: E402
+from benchmarks.harness import machine_line, markdown_table, python_sources, read_for  # noqa: E402
 
 
 def corpus(work: Path, mb: int) -> Path:
@@ -154,6 +154,7 @@ def main() -> int:
     p.add_argument("--streaming-site", type=Path, default=None,
                    help="where mosaicml-streaming and obstore are installed (pip --target)")  # fmt: skip
     args = p.parse_args()
+    print(machine_line(), flush=True)
     if args.streaming_site:
         sys.path.insert(0, str(args.streaming_site))
     args.work.mkdir(parents=True, exist_ok=True)
@@ -184,12 +185,12 @@ def main() -> int:
     finally:
         server.close()
     local = rows[0][2]
-    print(f"\n{args.threads} connections / loader threads; {os.cpu_count()} cores\n")
-    print("| reader | added latency (ms) | tokens/s | of local disk | server ceiling (tokens/s) | of the ceiling |")  # fmt: skip
-    print("|---|---|---|---|---|---|")
-    for name, ms, rate, top in rows:
-        ceil = f"{top:,.0f} | {rate / top:.0%}" if top else "- | -"
-        print(f"| {name} | {ms} | {rate:,.0f} | {rate / local:.0%} | {ceil} |")
+    print(f"\n{args.threads} connections / loader threads\n")
+    table = [[name, ms, f"{rate:,.0f}", f"{rate / local:.0%}", f"{top:,.0f}" if top else "-",
+              f"{rate / top:.0%}" if top else "-"] for name, ms, rate, top in rows]  # fmt: skip
+    headers = ["reader", "added latency (ms)", "tokens/s", "of local disk",
+               "server ceiling (tokens/s)", "of the ceiling"]  # fmt: skip
+    print(markdown_table(headers, table))
     return 0
 
 

@@ -12,10 +12,14 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-from pytrain.config import apply_toml, parse_args
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.harness import machine_line  # noqa: E402
+from pytrain.config import apply_toml, parse_args  # noqa: E402
 
 
 def main() -> int:
@@ -27,6 +31,7 @@ def main() -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = p.parse_args()
+    print(machine_line(), flush=True)
     if args.threads:
         torch.set_num_threads(args.threads)
     from pytrain.model.gpt import GPT
@@ -39,7 +44,7 @@ def main() -> int:
     gpt = GPT(cfg.model).to(args.device).eval()
     ids = torch.zeros(1, 1, dtype=torch.long, device=args.device)
     print(f"model: {cfg.model.n_layer} layers, d_model {cfg.model.d_model}, {gpt.num_params() / 1e6:.1f}M "
-          f"parameters; {args.tokens} tokens greedy on {args.device}, torch {torch.__version__}")  # fmt: skip
+          f"parameters; {args.tokens} tokens greedy on {args.device}")  # fmt: skip
     out = {}
     for cache in (True, False):
         gpt.generate(ids, 8, temperature=0, use_cache=cache)  # warm-up

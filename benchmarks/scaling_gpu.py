@@ -36,7 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.harness import median_steady, read_for, read_steps  # noqa: E402
+from benchmarks.harness import machine_line, markdown_table, median_steady, read_for, read_steps  # noqa: E402
 
 
 def run(n: int, args, data: Path, fsdp: bool, profile: bool) -> dict:
@@ -123,8 +123,7 @@ def main() -> int:
         help="the 1-GPU run without torchrun (no wrapper), as one GPU is trained",
     )
     args = p.parse_args()
-    import torch
-
+    print(machine_line(), flush=True)
     from pytrain import _loader
 
     data = args.work / f"synthetic-{args.vocab}"
@@ -141,21 +140,21 @@ def main() -> int:
     base = results[0].get("tokens_per_s")
     print(
         f"\n{args.preset.name} as shipped{' with ' + ', '.join(args.set) if args.set else ''}; "
-        f"median tok/s of steps {max(3, args.steps // 3) + 1}-{args.steps}; torch {torch.__version__}, "
-        f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}"
+        f"median tok/s of steps {max(3, args.steps // 3) + 1}-{args.steps}"
     )
-    print("| GPUs | wrapper | accumulation per rank | tokens/s (all GPUs) | per GPU | scaling efficiency | loss at the last step | peak GB (rank 0) | loader CPU per GPU (cores) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+    rows = []
     for r in results:
         if "error" in r:
-            print(f"| {r['gpus']} | {r['wrapper']} | | failed: {r['error']} | | | | | |")
+            rows.append([r["gpus"], r["wrapper"], "", f"failed: {r['error']}", "", "", "", "", ""])
             continue
         per_gpu = r["tokens_per_s"] / r["gpus"]
         eff = per_gpu / base if base else float("nan")
-        print(
-            f"| {r['gpus']} | {r['wrapper']} | {r['accum']} | {r['tokens_per_s']:,.0f} | {per_gpu:,.0f} | "
-            f"{eff:.1%} | {r['final_loss']} | {r['peak_gb'] or '-'} | {per_token * per_gpu:.4f} |"
-        )
+        rows.append([r["gpus"], r["wrapper"], r["accum"], f"{r['tokens_per_s']:,.0f}", f"{per_gpu:,.0f}",
+                     f"{eff:.1%}", r["final_loss"], r["peak_gb"] or "-", f"{per_token * per_gpu:.4f}"])  # fmt: skip
+    headers = ["GPUs", "wrapper", "accumulation per rank", "tokens/s (all GPUs)", "per GPU",
+               "scaling efficiency", "loss at the last step", "peak GB (rank 0)",
+               "loader CPU per GPU (cores)"]  # fmt: skip
+    print(markdown_table(headers, rows))
     print(
         f"\nloader alone, rank 0 of {biggest}: {per_token * 1e9:.1f} CPU ns per token "
         "(process CPU time)"

@@ -24,9 +24,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from loader import ShardWindows, flat_tokens  # noqa: E402
-
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.harness import machine_line, markdown_table  # noqa: E402
+from benchmarks.loader import ShardWindows, flat_tokens  # noqa: E402
 from pytrain import _loader  # noqa: E402
 from pytrain.data import DeviceFeed, TokenLoader  # noqa: E402
 from pytrain.model.gpt import GPT, ModelConfig  # noqa: E402
@@ -123,6 +124,7 @@ def main() -> int:
         "--plot", type=Path, default=None, help="write the step-time breakdown here (PNG)"
     )
     args = p.parse_args()
+    print(machine_line(), flush=True)
     device = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = True
     path = args.work / f"synthetic-{args.docs}"
@@ -155,16 +157,14 @@ def main() -> int:
         print(results[-1], flush=True)
     base = results[0]
     print(
-        f"\nmodel: {args.layers} layers, d_model {args.d_model}, batch {args.batch} x {args.seq}, bf16, compiled; torch {torch.__version__}, {torch.cuda.get_device_name()}"
+        f"\nmodel: {args.layers} layers, d_model {args.d_model}, batch {args.batch} x {args.seq}, bf16, compiled"
     )
-    print(
-        "| data source | step ms (median) | tokens/s | vs synthetic | GPU data wait (share of step) |"
-    )
-    print("|---|---|---|---|---|")
-    for r in results:
-        print(
-            f"| {r['name']} | {r['step_ms']:.2f} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base['tokens_per_s']:.3f} | {r['wait_share']:.2%} |"
-        )
+    rows = [[r["name"], f"{r['step_ms']:.2f}", f"{r['tokens_per_s']:,.0f}",
+             f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}", f"{r['wait_share']:.2%}"]
+            for r in results]  # fmt: skip
+    headers = ["data source", "step ms (median)", "tokens/s", "vs synthetic",
+               "GPU data wait (share of step)"]  # fmt: skip
+    print(markdown_table(headers, rows))
     if args.plot:
         title = f"{args.layers} layers, d {args.d_model}, {args.batch} x {args.seq}, {torch.cuda.get_device_name()}"
         plot_breakdown(results, args.plot, title)

@@ -47,6 +47,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.harness import machine_line, markdown_table, python_sources  # noqa: E402
 
 STEPS, WARMUP, EVERY = 300, 30, 20
 BATCH, SEQ, ACCUM = 16, 1024, 32
@@ -66,7 +67,6 @@ NAMES = {
 
 
 def prepare(work: Path, tokenizer: Path, max_mb: int) -> None:
-    from benchmarks.harness import python_sources
     from pytrain.data.documents import read_all_documents
 
     if (work / "val.bin").exists():
@@ -156,6 +156,7 @@ def run(which: str, work: Path, peer: Path, budget: float, extra: list[str]) -> 
                 "ended": ended,
                 "wall_s": time.time() - t0,
                 "cmd": cmd,
+                "machine": machine_line(),
             },
             indent=1,
         )  # fmt: skip
@@ -268,7 +269,7 @@ def evaluate(which: str, work: Path, peer: Path) -> None:
         del model, state
         torch.cuda.empty_cache()
     run_info = json.loads((work / which / "run.json").read_text())
-    out = {"which": which, "name": NAMES[which], "torch": torch.__version__,
+    out = {"which": which, "name": NAMES[which],
            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "run": run_info, "points": results}  # fmt: skip
     (work / f"ttq-{which}.json").write_text(json.dumps(out, indent=1))
 
@@ -284,17 +285,19 @@ def equal_steps(runs: dict, every: int = 100) -> str:
     common = sorted(set(shipped).intersection(*other.values())) if variants else []
     if not common:
         return ""
-    lines = ["", "at equal steps: the preset as shipped against " + ", ".join(
-        runs[w]["name"] for w in variants)]  # fmt: skip
-    lines.append("| step | " + " | ".join([runs["adamw"]["name"], *(
-        f"{runs[w]['name']} | shipped / it" for w in variants)]) + " |")  # fmt: skip
-    lines.append("|---" * (2 + 2 * len(variants)) + "|")
+    headers = ["step", runs["adamw"]["name"]]
+    for w in variants:
+        headers += [runs[w]["name"], "shipped / it"]
+    rows = []
     for step in [s for s in common if s % every == 0 or s == common[-1]]:
-        cells = [f"{shipped[step]:.4f}"]
+        cells = [step, f"{shipped[step]:.4f}"]
         for w in variants:
             cells += [f"{other[w][step]:.4f}", f"{shipped[step] / other[w][step]:.4f}"]
-        lines.append(f"| {step} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append(cells)
+    names = ", ".join(runs[w]["name"] for w in variants)
+    return f"\nat equal steps: the preset as shipped against {names}\n" + markdown_table(
+        headers, rows
+    )
 
 
 def crossing(points: list[dict], target: float) -> float | None:
@@ -320,19 +323,23 @@ def report(results: Path, png: Path | None) -> None:
     base = runs.get("nanogpt")
     target = base["points"][-1]["val_loss"] if base else math.nan
     t_base = crossing(base["points"], target) if base else None
+    for machine in dict.fromkeys(
+        r["run"].get("machine", "machine: not recorded") for r in runs.values()
+    ):
+        print(machine)  # where the runs were measured (run.json), not where this report is made
     print(f"target: nanoGPT's final validation loss {target:.4f} (reached at {t_base or 0:.0f}s)")
-    print(
-        "| run | snapshots | last step | final val loss | time to nanoGPT's final loss | vs nanoGPT |"
-    )
-    print("|---|---|---|---|---|---|")
+    rows = []
     for r in runs.values():
         pts = r["points"]
         t = crossing(pts, target)
         ratio = f"{t / t_base:.2f}x" if t and t_base else "-"
         when = f"{t:.0f} s" if t else "not reached"
-        print(
-            f"| {r['name']} | {len(pts)} | {pts[-1]['step']} | {pts[-1]['val_loss']:.4f} | {when} | {ratio} |"
+        rows.append(
+            [r["name"], len(pts), pts[-1]["step"], f"{pts[-1]['val_loss']:.4f}", when, ratio]
         )
+    headers = ["run", "snapshots", "last step", "final val loss", "time to nanoGPT's final loss",
+               "vs nanoGPT"]  # fmt: skip
+    print(markdown_table(headers, rows))
     if table := equal_steps(runs):
         print(table)
     if png:
@@ -385,6 +392,8 @@ def main() -> int:
     args, extra = p.parse_known_args()  # run: further flags go to the trainer (smoke tests)
     if extra and args.cmd != "run":
         p.error(f"unknown arguments {extra}")
+    if args.cmd != "report":  # the report names the machine its runs were measured on
+        print(machine_line(), flush=True)
     if args.cmd == "prepare":
         prepare(args.work, args.tokenizer, args.mb)
     elif args.cmd == "run":

@@ -48,7 +48,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.harness import median_steady, read_steps  # noqa: E402
+from benchmarks.harness import machine_line, markdown_table, median_steady, read_steps  # noqa: E402
 
 PEAK_TFLOPS = 989.0  # H100 SXM dense bf16
 RUNS = ("ours bf16", "ours preset", "ours fp8",
@@ -247,6 +247,7 @@ def main() -> int:
                    "document held out, the validation loss at the last step (--steps); each side's "
                    "float8 run against its bf16 run (goal: within 1%%)")  # fmt: skip
     args = p.parse_args()
+    print(machine_line(), flush=True)
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
     (work / "titan-tokenizer").mkdir(exist_ok=True)
@@ -264,8 +265,6 @@ def main() -> int:
         titan_val, ours_text = split_and_pack(
             work, corpus, work / "titan-tokenizer" / "tokenizer.json"
         )
-    import torch
-
     # Each side's runs once per sequence length; the comparisons pair them afterwards.
     ours_runs = {"bf16": ["--model.float8_head", "off"], "preset": [],
                  "fp8": ["--model.float8", "tensorwise"]}  # fmt: skip
@@ -295,29 +294,31 @@ def main() -> int:
                 work, args.titan_site, seq, args.rows, args.accum, args.steps, name, fp8, titan_val
             )
             print(f"[{seq}] torchtitan {name}: {r[f'torchtitan {name}']}", flush=True)
-    print(f"\nLlama-3.2-1B shape, one {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"{args.rows} rows x {args.accum} micro-batches a step\n")  # fmt: skip
+    print(
+        f"\nLlama-3.2-1B shape on one GPU, {args.rows} rows x {args.accum} micro-batches a step\n"
+    )
     if args.ours_flags:
         print(f"(every run of ours with {args.ours_flags})\n")
     if args.quality:
         print("(--quality: ours ran at its text's vocabulary, not 128256: its tokens/s and MFU\n"
               "below are not comparable with torchtitan's; use a run without --quality)\n")  # fmt: skip
-    print("| seq | run | tok/s | MFU | peak GiB | ours: attention, output layer, MLP |")
-    print("|---|---|---|---|---|---|")
+    rows = []
     for seq, r in results.items():
         f = flops_per_token(seq) / 1e12 / PEAK_TFLOPS
         for name, x in r.items():
             if "error" in x:
-                print(f"| {seq} | {name} | failed: {x['error']} | - | - | - |")
+                rows.append([seq, name, f"failed: {x['error']}", "-", "-", "-"])
             else:
-                print(f"| {seq} | {name} | {x['tokens_per_s']:,.0f} | "
-                      f"{x['tokens_per_s'] * f:.1%} | {x['peak_gib']:.1f} | {x.get('setup', '-')} |")  # fmt: skip
+                rows.append([seq, name, f"{x['tokens_per_s']:,.0f}", f"{x['tokens_per_s'] * f:.1%}",
+                             f"{x['peak_gib']:.1f}", x.get("setup", "-")])  # fmt: skip
+    print(
+        markdown_table(
+            ["seq", "run", "tok/s", "MFU", "peak GiB", "ours: attention, output layer, MLP"], rows
+        )
+    )
     if args.quality:
         print(f"\nvalidation loss at step {args.steps} ({VAL_BATCHES} batches of held-out text)\n")
-        print(
-            "| seq | side | bf16 val loss | float8 run | its val loss | float8 / bf16 | within 1% |"
-        )
-        print("|---|---|---|---|---|---|---|")
+        rows = []
         for seq, r in results.items():
             for side, fp8 in (
                 ("ours", "ours fp8"),
@@ -328,10 +329,12 @@ def main() -> int:
                 a, b = r.get(f"{side} bf16", {}), r.get(fp8, {})
                 if "val_loss" in a and "val_loss" in b:
                     q = b["val_loss"] / a["val_loss"]
-                    print(f"| {seq} | {side} | {a['val_loss']:.4f} | {fp8} | {b['val_loss']:.4f} | "
-                          f"{q:.4f} | {'yes' if abs(q - 1) <= 0.01 else 'NO'} |")  # fmt: skip
-    print("\n| seq | comparison | ours | torchtitan | ratio |")
-    print("|---|---|---|---|---|")
+                    rows.append([seq, side, f"{a['val_loss']:.4f}", fp8, f"{b['val_loss']:.4f}",
+                                 f"{q:.4f}", "yes" if abs(q - 1) <= 0.01 else "NO"])  # fmt: skip
+        headers = ["seq", "side", "bf16 val loss", "float8 run", "its val loss", "float8 / bf16",
+                   "within 1%"]  # fmt: skip
+        print(markdown_table(headers, rows))
+    rows = []
     for seq, r in results.items():
         ok = {k: v for k, v in r.items() if "error" not in v}
 
@@ -341,11 +344,13 @@ def main() -> int:
 
         for label, a, b in (("bf16 vs bf16", "ours bf16", "torchtitan bf16"),
                             ("best vs best", best("ours"), best("torchtitan"))):  # fmt: skip
-            if a in ok and b in ok:
-                ratio = ok[a]["tokens_per_s"] / ok[b]["tokens_per_s"]
-                print(f"| {seq} | {label} | {a} | {b} | {ratio:.2f}x |")
-            else:
-                print(f"| {seq} | {label} | {a} | {b} | - |")
+            ratio = (
+                f"{ok[a]['tokens_per_s'] / ok[b]['tokens_per_s']:.2f}x"
+                if a in ok and b in ok
+                else "-"
+            )
+            rows.append([seq, label, a, b, ratio])
+    print("\n" + markdown_table(["seq", "comparison", "ours", "torchtitan", "ratio"], rows))
     return 0
 
 

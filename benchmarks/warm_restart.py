@@ -31,6 +31,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.harness import machine_line, markdown_table  # noqa: E402
+
 PY = sys.executable
 
 
@@ -48,6 +51,7 @@ def main() -> int:
     p.add_argument("--torchrun", action="store_true",
                    help="each start under `torchrun --standalone --nproc_per_node 1` (DDP, its graph split by bucket)")  # fmt: skip
     args = p.parse_args()
+    print(machine_line(), flush=True)
     work = args.work.resolve()
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -89,17 +93,11 @@ def main() -> int:
              f"{coordesc}/{len(best)}", f"{wall:.0f}", caches.group(1) if caches else "?")
         )  # fmt: skip
         print(f"[{row}] exit {r.returncode}, warm-up {rows[-1][2]}s, wall {wall:.0f}s", flush=True)
-    import torch
-
-    print(f"\nwarm restarts of the GPT-2 preset, {time.strftime('%Y-%m-%d')}, "
-          f"{torch.cuda.get_device_name()}, torch {torch.__version__}\n")  # fmt: skip
-    print(
-        "| start | exit | warm-up s | artifacts | Dynamo compile_inner s | coordinate descent s | "
-        "coordesc/best configs cached | process wall s | cache counters |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")  # fmt: skip
-    for row in rows:
-        print("| " + " | ".join(str(x) for x in row) + " |")
+    print(f"\nwarm restarts of the GPT-2 preset, {time.strftime('%Y-%m-%d')}\n")
+    headers = ["start", "exit", "warm-up s", "artifacts", "Dynamo compile_inner s",
+               "coordinate descent s", "coordesc/best configs cached", "process wall s",
+               "cache counters"]  # fmt: skip
+    print(markdown_table(headers, rows))
     return 0 if all(r[1] == 0 for r in rows) else 1
 
 

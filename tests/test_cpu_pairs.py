@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
 spec = importlib.util.spec_from_file_location("cpu_pairs", ROOT / "benchmarks/cpu_pairs.py")
 assert spec is not None and spec.loader is not None
 cpu_pairs = importlib.util.module_from_spec(spec)
