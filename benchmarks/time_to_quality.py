@@ -211,16 +211,15 @@ def windows(work: Path, device) -> tuple:
 
 
 def doc_ids_and_positions(inputs, eos: int):
-    """Documents of each window split after <|endoftext|> (the token ends its document)."""
+    """Documents of each window split after <|endoftext|> (the token ends its document),
+    and their positions as the trainer derives them from document ids."""
     import torch
 
+    from pytrain.data.batch import position_ids
+
     ends = (inputs == eos).int()
-    doc = torch.cumsum(ends, dim=1) - ends  # the eos belongs to the document it ends
-    first = torch.zeros_like(doc)
-    first[:, 1:] = (doc[:, 1:] != doc[:, :-1]).int()
-    idx = torch.arange(inputs.shape[1], device=inputs.device).expand_as(doc)
-    start = torch.cummax(torch.where(first.bool() | (idx == 0), idx, 0), dim=1).values
-    return doc.int(), (idx - start).int()
+    doc = (torch.cumsum(ends, dim=1) - ends).int()  # the eos belongs to the document it ends
+    return doc, position_ids(doc)
 
 
 def evaluate(which: str, work: Path, peer: Path) -> None:

@@ -40,3 +40,11 @@ def test_equal_steps_pairs_the_shipped_preset_with_its_plain_variant():
     assert ttq.equal_steps({"adamw": runs["adamw"]}) == ""  # no variant ran
     apart = {**runs, "adamw-plain": run("plain", [(40, 2, 4.0)])}
     assert ttq.equal_steps(apart) == ""  # no step in common
+
+
+def test_documents_end_at_eos_and_positions_restart_after_it():
+    import torch
+
+    doc, pos = ttq.doc_ids_and_positions(torch.tensor([[5, 3, 7, 7, 3, 1], [3, 3, 2, 2, 2, 2]]), 3)
+    assert doc.tolist() == [[0, 0, 1, 1, 1, 2], [0, 1, 2, 2, 2, 2]]
+    assert pos.tolist() == [[0, 1, 0, 1, 2, 0], [0, 0, 0, 1, 2, 3]]
