@@ -13,8 +13,8 @@ CPU's row shows one sibling; where it shows several, the timings are the host's 
 (seen on a 64-CPU VM: 0.69x-2.26x) and no pairs are searched. Prints the pairs
 and two `--cpus` lists for benchmarks/pack_parts.py: siblings next to each other (a row
 of W workers of 2 CPUs gets W whole cores), and one CPU a core (no two share one; on a big
-host, 16 of them make the "16-core host" of the benchmark). BENCHMARKS.md (issue 34,
-"pack-shards on many workers") says why the scaling figures need it."""
+host, 16 of them make the "16-core host" of the benchmark). BENCHMARKS.md ("pack-shards")
+says why the scaling figures need it."""
 
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def sibling_row(row: dict[int, float], threshold: float) -> str:
     one CPU slows it above `threshold` (a hyperthread has one sibling, so the pair search is
     worth its time), 'none' where none does, 'noise' where several do: the host's own
     timing noise or contention, not siblings, and a search would try all n^2/2 pairs (on a
-    64-CPU host, longer than a device call)."""
+    64-CPU host, about 2,000 pairs of three timed tries each)."""
     over = slow_neighbours(row, threshold)
     return "none" if over == 0 else "one" if over == 1 else "noise"
 

@@ -112,7 +112,7 @@ def reader(name: str, path: Path, seq: int, batch: int):
     elif name == "mosaicml-streaming":
         from streaming import StreamingDataset
 
-        # In the main process: built inside DataLoader workers it hung in this sandbox.
+        # In the main process: built inside DataLoader workers it hung under gVisor.
         ds = StreamingDataset(local=str(path), shuffle=False, batch_size=batch)
         yield from windows((s["tokens"] for s in ds), seq, batch)
     elif name == "litdata":

@@ -244,7 +244,7 @@ def main() -> int:
     p.add_argument("--results", type=Path, default=None,
                    help="a JSON file of rows: each row is written there as it ends, rows already "
                    "there are not run again, and the table covers them all (a run longer than "
-                   "one call of a lent machine goes as several calls: --workers 1,2, then 4,8)")  # fmt: skip
+                   "a job's time limit goes as several jobs: --workers 1,2, then 4,8)")  # fmt: skip
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "pytrain-bench-parts")
     p.add_argument("--cpus", default=None,
                    help="the CPUs to use, as taskset lists them (e.g. 0-15 or 0,2,4); default: all this process may use")  # fmt: skip

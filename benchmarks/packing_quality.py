@@ -3,7 +3,7 @@ best-fit packing next to plain concatenate-and-split, over one epoch at seq_len 
 A document longer than a row must be cut by any packer; the table shows those apart.
 
     python benchmarks/packing_quality.py DATASET [--seq 2048] [--batch 8] [--frames-per-block 4]
-(DATASET: e.g. the one benchmarks/pack.py leaves in /tmp/pytrain-bench-pack/ds)
+(DATASET: e.g. ds/ in the --work directory of benchmarks/pack.py)
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ val.bin are written from the same documents' token ids (each ending in <|endofte
 
 run: each trainer starts as a fresh process and is killed when the budget (wall clock from
 its launch: imports, compile and everything) is over. All runs: 524,288 tokens per step
-(nanoGPT 16 x 1,024 x 32 micro-batches, ours the preset's own, 32 x 1,024 x 16 since the
-fifth session of issue 18; 16 x 32 before), peak lr 6e-4 (AdamW) with 30 warm-up steps and cosine decay to 10%
+(nanoGPT 16 x 1,024 x 32 micro-batches, ours the preset's own, 32 x 1,024 x 16), peak lr
+6e-4 (AdamW) with 30 warm-up steps and cosine decay to 10%
 at step 300. Snapshots of the weights every 20 steps, with the wall time they were taken
 at: nanoGPT's own checkpoint save writes the model only (no 1.5 GB optimizer file in its
 loop); ours write their usual checkpoints (in the background). Ours run the GPT-2 preset
@@ -58,10 +58,10 @@ NAMES = {
     "adamw": "ours, AdamW",
     "muon": "ours, Muon",
     # The preset with its GELU unfused (--model.fused_gelu off): whether the cuBLASLt
-    # epilogues change the loss reached in the same time (BENCHMARKS.md, sixth session).
+    # epilogues change the loss reached in the same time (BENCHMARKS.md, "Time to quality").
     "adamw-unfused": "ours, AdamW, GELU unfused",
     # Neither the FP8 output layer nor the fused GELU: plain bf16 matmuls, the reference
-    # against which the preset's two shortcuts must not cost loss at equal steps (issue 33).
+    # against which the preset's two shortcuts must not cost loss at equal steps.
     "adamw-plain": "ours, AdamW, bf16 output layer, GELU unfused",
 }
 
@@ -276,7 +276,7 @@ def evaluate(which: str, work: Path, peer: Path) -> None:
 def equal_steps(runs: dict, every: int = 100) -> str:
     """The preset as shipped (adamw) against its variants without the FP8 output layer or
     the fused GELU (adamw-plain, adamw-unfused) at the same steps: their validation losses
-    and the ratio shipped / variant (issue 33: the shortcuts must not cost loss). Every
+    and the ratio shipped / variant (the shortcuts must not cost loss). Every
     `every` steps both have and the last one; empty where adamw or no variant ran."""
     shipped = {p["step"]: p["val_loss"] for p in runs.get("adamw", {}).get("points", [])}
     variants = [w for w in ("adamw-plain", "adamw-unfused") if w in runs]

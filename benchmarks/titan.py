@@ -32,7 +32,7 @@ With --quality, every run trains on real text instead (the Python sources, every
 document held out; ours packed by pack-shards with the same tokenizer, so at that
 tokenizer's vocabulary) with a warm-up of a tenth of --steps, and both sides report their
 validation loss at the last step on the held-out text: a float8 run counts only within 1%
-of its own side's bf16 run (issue 33), e.g. `--quality --steps 300`."""
+of its own side's bf16 run, e.g. `--quality --steps 300`."""
 
 from __future__ import annotations
 
