@@ -8,7 +8,11 @@ from pytrain.model.gpt import GPT, ModelConfig
 
 def test_residual_stream_dtype_follows_the_config():
     """residual='compute' carries the stream between blocks in the autocast dtype;
-    'fp32' keeps it in fp32. The losses agree to bf16 accuracy."""
+    'fp32' keeps it in fp32. The summed losses of the same weights on 512 tokens differ
+    by 7.5e-6 of the loss (at init a loss near ln(vocab) moves little: with the residual
+    in bf16, seeds 0-5 measured 1e-6 to 1.4e-5); the tolerance, 5e-5, fails for a
+    defect as small as the embedding scaled by 1.01 (1.3e-3), the second block left out
+    (5e-4 to 8e-4) or its attention weights scaled by 1.1 (2e-4 to 3e-4)."""
     losses = {}
     for choice in ("fp32", "compute"):
         torch.manual_seed(0)
@@ -16,13 +20,13 @@ def test_residual_stream_dtype_follows_the_config():
         m = GPT(cfg).train()
         seen = []
         m.blocks[0].register_forward_hook(lambda mod, args, out, seen=seen: seen.append(out.dtype))
-        ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(1))
+        ids = torch.randint(0, 200, (8, 64), generator=torch.Generator().manual_seed(1))
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             losses[choice] = float(
                 m.loss_sum(ids, ids, None, torch.ones_like(ids, dtype=torch.bool), None)
             )
         assert seen == [torch.bfloat16 if choice == "compute" else torch.float32]
-    assert losses["compute"] == pytest.approx(losses["fp32"], rel=2e-2)
+    assert losses["compute"] == pytest.approx(losses["fp32"], rel=5e-5)
 
 
 @pytest.mark.parametrize("field,value", [("residual", "bf16"), ("fused_ce", "yes")])
