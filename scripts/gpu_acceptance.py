@@ -48,6 +48,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from pytrain.model.hf import LOGITS_TOLERANCE  # noqa: E402
 from pytrain.train.cli import read_fallbacks, read_start_line  # noqa: E402
 from pytrain.train.metrics import read_step_lines  # noqa: E402
 
@@ -385,7 +386,7 @@ def row_llama(work: Path, preset: str) -> Row:
     problems = [row.note] if row.note else []
     if rc or rc2 or not m:
         problems.append(f"export exit {rc}, logits check exit {rc2}")
-    elif m.group(1) != "LlamaForCausalLM" or float(m.group(2)) > 1e-3:
+    elif m.group(1) != "LlamaForCausalLM" or float(m.group(2)) > LOGITS_TOLERANCE:
         problems.append(f"export: {m.group(1)}, logits differ by {m.group(2)}")
     problems += continued(work, preset, args, hf, row.train_loss)
     figures = (f"{sorted(speed)[len(speed) // 2]:,.0f} tok/s (median of the last {len(speed)} lines)"

@@ -16,7 +16,7 @@ from pytrain.data.shards import PackOptions, pack
 from pytrain.export import export
 from pytrain.model.config import ModelConfig
 from pytrain.model.gpt import GPT
-from pytrain.model.hf import NotExportable, hf_config
+from pytrain.model.hf import LOGITS_TOLERANCE, NotExportable, hf_config
 from pytrain.model.load import load
 from pytrain.train.trainer import Trainer
 
@@ -97,7 +97,7 @@ def test_export_loads_in_transformers_with_equal_logits(text_datasets, tmp_path,
     ids = torch.tensor([tok.encode("def walk(top, onerror=None):\n    return os.path.join(top)")])
     with torch.no_grad():
         diff = (model(ids).logits - ours(ids)).abs().max().item()
-    assert diff < 1e-4, diff
+    assert diff < LOGITS_TOLERANCE, diff
     assert (
         tok.eos_token == "<|endoftext|>"
         and model.generation_config.eos_token_id == tok.eos_token_id
