@@ -427,12 +427,14 @@ def _replace_dir(tmp: Path, out: Path) -> None:
         old = out.with_name(f".{out.name}.old-{os.getpid()}")
         out.rename(old)
     tmp.rename(out)
-    _fsync_dir(out.parent)
+    fsync_dir(out.parent)
     if old is not None:
         shutil.rmtree(old)
 
 
-def _fsync_dir(d: Path) -> None:
+def fsync_dir(d: Path) -> None:
+    """Makes a rename in `d` durable (the directory entry, not only the file's bytes); the
+    checkpoint writers of pytrain.train use it too."""
     fd = os.open(d, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from pytrain.config import ConfigError, flag_value
+from pytrain.data.shards import fsync_dir
 from pytrain.train import disk
 
 SHARDED_STATE = "state.pt"
@@ -191,15 +192,6 @@ def not_written(final: Path, detail: str) -> disk.DiskFull:
         f"({disk.human(disk.free_bytes(run_dir))} free, {detail}); {kept}; free some space "
         "(or lower --keep_ckpts) and run the same command to resume"
     )
-
-
-def fsync_dir(d: Path) -> None:
-    """Makes a rename in `d` durable (the directory entry, not only the file's bytes)."""
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def prune(run_dir: Path, keep: int) -> None:
