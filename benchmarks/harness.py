@@ -3,7 +3,7 @@ run from the repository root (`python benchmarks/NAME.py --help` says what it me
 how). This module is what they share: the line naming the machine a run measured (every
 benchmark prints it first), the median of a run's steady steps, Markdown tables, train.log's
 step lines, real text to tokenize, and a timed read of a loader. It imports no torch until
-a function needs it."""
+a function needs it (read_steps); machine_line asks a child process."""
 
 from __future__ import annotations
 
@@ -13,34 +13,36 @@ import shutil
 import site
 import statistics
 import subprocess
+import sys
 import sysconfig
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
+# torch's versions and GPUs, asked of a child Python: the benchmark's own process stays as it
+# was (no torch, no CUDA context), since a child's peak RSS starts at its parent's size and
+# several benchmarks measure their children's.
+_TORCH = """
+import torch
+props = map(torch.cuda.get_device_properties, range(torch.cuda.device_count()))
+print(torch.__version__, torch.version.cuda or "-")
+print(", ".join(f"{p.name} ({p.total_memory / 2**30:.1f} GiB)" for p in props))
+"""
 
-def _gpus() -> str:
+
+def _nvidia_smi_gpus() -> str:
     """The GPUs as nvidia-smi names them (model, memory, power limit), alike ones counted
-    once; torch's view where there is no nvidia-smi; "no GPU" where CUDA finds none."""
+    once; empty where there is no nvidia-smi."""
     smi = shutil.which("nvidia-smi")
-    if smi:
-        query = "--query-gpu=name,memory.total,power.limit"
-        r = subprocess.run([smi, query, "--format=csv,noheader,nounits"],
-                           capture_output=True, text=True)  # fmt: skip
-        gpus = []
-        for line in r.stdout.strip().splitlines() if r.returncode == 0 else []:
-            name, mib, watts = (x.strip() for x in line.split(","))
-            power = f", {float(watts):.0f} W" if watts.replace(".", "").isdigit() else ""
-            gpus.append(f"{name} ({float(mib) / 1024:.1f} GiB{power})")
-        if gpus:
-            kinds = dict.fromkeys(gpus)
-            return ", ".join(f"{gpus.count(g)}x {g}" for g in kinds)
-    import torch
-
-    if not torch.cuda.is_available():
-        return "no GPU"
-    props = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
-    return ", ".join(f"{p.name} ({p.total_memory / 2**30:.1f} GiB)" for p in props)
+    query = "--query-gpu=name,memory.total,power.limit"
+    r = subprocess.run([smi, query, "--format=csv,noheader,nounits"],
+                       capture_output=True, text=True) if smi else None  # fmt: skip
+    gpus = []
+    for line in r.stdout.strip().splitlines() if r and r.returncode == 0 else []:
+        name, mib, watts = (x.strip() for x in line.split(","))
+        power = f", {float(watts):.0f} W" if watts.replace(".", "").isdigit() else ""
+        gpus.append(f"{name} ({float(mib) / 1024:.1f} GiB{power})")
+    return ", ".join(f"{gpus.count(g)}x {g}" for g in dict.fromkeys(gpus))
 
 
 def _cpus() -> str:
@@ -61,10 +63,12 @@ def _cpus() -> str:
 def machine_line() -> str:
     """What a benchmark measured on, in one line: GPUs (model, memory, power limit), CPUs,
     torch and the CUDA it was built with, Python."""
-    import torch
-
-    cuda = f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA"
-    return (f"machine: {_gpus()}; {_cpus()}; torch {torch.__version__}, {cuda}; "
+    r = subprocess.run([sys.executable, "-c", _TORCH], capture_output=True, text=True)
+    lines = r.stdout.splitlines() if r.returncode == 0 else []
+    version, cuda = lines[0].split() if lines else ("not importable", "-")
+    gpus = _nvidia_smi_gpus() or (lines[1] if len(lines) > 1 else "") or "no GPU"
+    cuda = f"CUDA {cuda}" if cuda != "-" else "no CUDA"
+    return (f"machine: {gpus}; {_cpus()}; torch {version}, {cuda}; "
             f"Python {platform.python_version()}")  # fmt: skip
 
 
