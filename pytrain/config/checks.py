@@ -1,0 +1,163 @@
+"""The settings checked before anything is built or written: words against their choices,
+small forms, ranges (check_choices); the settings read into values (activation
+checkpointing's stride, the profiler's window, Inductor's options), and grad_accum derived
+at the run's world size. Each wrong setting is a ConfigError that names it."""
+
+from __future__ import annotations
+
+import ast
+import re
+
+from pytrain.config.errors import ConfigError
+from pytrain.config.keys import owner
+from pytrain.config.sections import TrainConfig
+
+COMPILE_LEVELS = ("reduce-overhead", "max-autotune-no-cudagraphs", "default", "eager")
+"""torch.compile's modes, most ambitious first: the fallback ladder of
+pytrain.train.compile_policy."""
+CHOICES = {
+    "precision": ("auto", "bf16", "fp16", "fp32"),
+    "compile.mode": ("auto", *COMPILE_LEVELS),
+    "data.mode": ("pack", "bucket"),
+    "data.strategy": ("best_fit", "concat"),
+    "optim.schedule": ("cosine", "linear", "constant", "wsd"),
+    "optim.master_weights": ("auto", "on", "off"),
+    "optim.state_dtype": ("fp32", "bf16"),
+}
+"""The training settings that take one of a few words (the model's: ModelConfig.check)."""
+
+FORMS = {
+    "device": (r"auto|cpu|mps|cuda|cuda:\d+", "auto, cpu, cuda, cuda:N or mps"),
+}
+"""The training settings written in a small form: the pattern, and the form in words."""
+
+BOUNDS = {
+    "data.seq_len": (1, None),
+    "data.batch_size": (1, None),
+    "optim.warmup_steps": (0, None),
+    "optim.min_lr_ratio": (0, 1),
+    "optim.grad_clip": (0, None),
+    "optim.weight_decay": (0, None),
+    "keep_ckpts": (0, None),
+    "eval_every": (0, None),
+    "ckpt_every": (0, None),
+    "log_every": (1, None),
+}
+"""Numbers with a range (inclusive; None: open), checked where the command line is read.
+Positive-only ones (learning rates, betas below 1) are checked in check_choices."""
+
+
+def derive_grad_accum(cfg: TrainConfig, world_size: int) -> str | None:
+    """Sets optim.grad_accum from optim.tokens_per_step where it is 0 (derived); returns a
+    line saying what it chose, or None where grad_accum was given."""
+    o, d = cfg.optim, cfg.data
+    if o.grad_accum > 0:
+        return None
+    if o.grad_accum < 0 or o.tokens_per_step <= 0:
+        raise ConfigError(
+            f"optim.grad_accum is {o.grad_accum}: set it to a number of micro-batches, or to 0 "
+            f"with optim.tokens_per_step > 0 (it is {o.tokens_per_step})"
+        )
+    per_micro_step = d.batch_size * d.seq_len * world_size
+    o.grad_accum = max(1, round(o.tokens_per_step / per_micro_step))
+    step = o.grad_accum * per_micro_step
+    exact = (
+        "" if step == o.tokens_per_step else f" (optim.tokens_per_step asks {o.tokens_per_step:,})"
+    )
+    return (
+        f"gradient accumulation: {o.grad_accum} micro-batches of {d.batch_size}x{d.seq_len} per rank "
+        f"x {world_size} rank(s) = {step:,} tokens per optimizer step{exact}"
+    )
+
+
+def check_choices(cfg: TrainConfig) -> None:
+    """ConfigError naming the first setting that is not one of its words or forms, before
+    anything is built or written."""
+    for key, words in CHOICES.items():
+        value = getattr(*owner(cfg, key))
+        if value not in words:
+            raise ConfigError(f"{key} is {value!r}; expected one of {', '.join(words)}")
+    for key, (pattern, form) in FORMS.items():
+        value = getattr(*owner(cfg, key))
+        if not re.fullmatch(pattern, value):
+            raise ConfigError(f"{key} is {value!r}; expected {form}")
+    for key, (low, high) in BOUNDS.items():
+        value = getattr(*owner(cfg, key))
+        if value < low or (high is not None and value > high):
+            span = f">= {low}" if high is None else f"between {low} and {high}"
+            raise ConfigError(f"{key} is {value}; expected a number {span}")
+    o = cfg.optim
+    for key, value in (("optim.lr", o.lr), ("optim.muon_lr", o.muon_lr)):
+        if not value > 0:
+            raise ConfigError(f"{key} is {value}; expected a learning rate above 0")
+    for key, value in (("optim.beta1", o.beta1), ("optim.beta2", o.beta2)):
+        if not 0 <= value < 1:
+            raise ConfigError(f"{key} is {value}; expected 0 <= it < 1")
+    d = cfg.data
+    if d.stages:
+        stages = d.stage_list()  # its own form first
+        if not d.mix:
+            raise ConfigError(
+                "--data.stages sets a mixture's weights from a step on: it needs --data.mix"
+            )
+        names = d.mixture()[0]
+        for step, weights in stages:
+            if unknown := sorted(set(weights) - set(names)):
+                raise ConfigError(
+                    f"--data.stages at step {step}: no source {', '.join(map(repr, unknown))} "
+                    f"in --data.mix ({', '.join(names)})"
+                )
+    inductor_options(cfg.compile.inductor)
+    profile_window(cfg.profile_steps)
+    checkpoint_every(cfg.activation_checkpointing)
+    if not 0 < cfg.optim.decay_frac <= 1:
+        raise ConfigError(f"optim.decay_frac is {cfg.optim.decay_frac}; expected 0 < it <= 1")
+    try:
+        cfg.model.check()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def checkpoint_every(spec: str) -> int:
+    """activation_checkpointing as the blocks' stride: 'off' 0, 'full' 1, 'every-N' N;
+    ConfigError for anything else."""
+    if spec in ("off", "full"):
+        return int(spec == "full")
+    if spec.startswith("every-") and spec[6:].isdigit() and int(spec[6:]) > 0:
+        return int(spec[6:])
+    raise ConfigError(
+        f"activation_checkpointing is {spec!r}; expected off, full or every-N (N >= 1)"
+    )
+
+
+def profile_window(spec: str) -> tuple[int, int] | None:
+    """--profile_steps 'A:B' as (A, B), None where it is empty; ConfigError unless
+    0 <= A < B."""
+    if not spec:
+        return None
+    try:
+        a, b = (int(x) for x in spec.split(":"))
+    except ValueError:
+        raise ConfigError(f"profile_steps {spec!r} is not 'A:B' (two step numbers)") from None
+    if not 0 <= a < b:
+        raise ConfigError(f"profile_steps {spec!r}: need 0 <= A < B")
+    return a, b
+
+
+def inductor_options(spec: str) -> list[tuple[str, object]]:
+    """compile.inductor's 'name=value,...' as (name, value) pairs (values are Python
+    literals); ConfigError for an item that is not name=value or a value that is not a
+    literal. Whether this torch has each name is decided where they are set
+    (compile_policy.set_inductor_options)."""
+    out = []
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, sep, raw = item.partition("=")
+        if not sep or not name.strip():
+            raise ConfigError(f"compile.inductor: {item!r} is not name=value")
+        try:
+            out.append((name.strip(), ast.literal_eval(raw.strip())))
+        except (ValueError, SyntaxError):
+            raise ConfigError(
+                f"compile.inductor: value of {name.strip()!r} is not a literal: {raw.strip()!r}"
+            ) from None
+    return out

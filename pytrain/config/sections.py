@@ -1,0 +1,145 @@
+"""TrainConfig, the run's settings, with its sections: [optim] (OptimConfig), [compile]
+(CompileConfig), [data] (pytrain.config.data) and [model] (pytrain.model.config)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from pytrain.config.data import DataConfig
+from pytrain.model.config import ModelConfig
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    """'adamw', or 'muon': Muon for the 2-D weights of the transformer blocks, AdamW for
+    the embedding, output layer, norms and biases (pytrain/optim/muon.py)."""
+    lr: float = 2e-3
+    """Peak learning rate (AdamW's; with optim.name=muon, that of the AdamW groups)."""
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    schedule: str = "cosine"
+    """After warm-up: 'cosine', 'linear' or 'constant'; or 'wsd' (warm-up-stable-decay:
+    constant, then linear to lr x min_lr_ratio over the last decay_frac of max_steps)."""
+    decay_frac: float = 0.2
+    """optim.schedule=wsd: the share of max_steps that decays (0 < decay_frac <= 1)."""
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    grad_accum: int = 1
+    """Micro-batches per optimizer step on each rank; 0: derived from tokens_per_step at the
+    run's world size (one preset then makes the same optimizer step on 1 GPU or 64)."""
+    tokens_per_step: int = 0
+    """With grad_accum = 0: tokens per optimizer step over all ranks. Each rank runs
+    tokens_per_step / (data.batch_size x data.seq_len x ranks) micro-batches, rounded to
+    the nearest whole number (at least 1; the start line says the step it gives)."""
+    master_weights: str = "auto"
+    """Keep the parameters in bf16 and their fp32 copies in the optimizer
+    (pytrain.optim.master_adamw): 'auto' (on for bf16 on CUDA in one process), 'on', 'off'
+    (fp32 parameters under autocast)."""
+    state_dtype: str = "fp32"
+    """AdamW's two moments with master weights: 'fp32', or 'bf16' (4 bytes a parameter
+    less: 12.8 GB at 3.2B; the update still computes in fp32; DeepSeek-V3 keeps them so).
+    Needs master weights (optim.master_weights; not FSDP2 or Muon)."""
+    muon_lr: float = 0.02
+    """optim.name=muon: peak learning rate of the Muon group (same schedule as optim.lr)."""
+    muon_momentum: float = 0.95
+    muon_weight_decay: float = 0.0
+    """optim.name=muon: decoupled weight decay of the Muon group (per step: lr x this)."""
+    spike_factor: float = 4.0
+    """Skip a step whose loss exceeds this multiple of the running mean (0 disables)."""
+    max_bad_steps: int = 10
+    """Stop after this many skipped steps in a row."""
+
+
+@dataclass
+class CompileConfig:
+    enabled: bool | None = None
+    """None: on for CUDA, off for CPU."""
+    mode: str = "auto"
+    """'auto', 'eager', 'default', 'reduce-overhead', 'max-autotune-no-cudagraphs'."""
+    safe_env: bool = True
+    """Set Inductor/Triton environment guards before torch is imported (see docs/COMPILE.md)."""
+    cache_dir: str = ""
+    """Persistent Inductor cache (TORCHINDUCTOR_CACHE_DIR); empty: under runs/<name>/."""
+    guard: bool = True
+    """Avoid known-bad combinations up front and fall back at run time. Off shows torch's
+    native behaviour (scripts/compile_matrix.py compares the two)."""
+    coordinate_descent: bool = False
+    """Inductor's coordinate-descent tuning of the kernels it generates (block sizes):
+    a longer first compile for sometimes faster steps. Set in code, so it overrides the
+    safe_env guard that turns it off; off by default."""
+    inductor: str = ""
+    """Inductor config overrides set in code before compiling, 'name=value' comma-separated
+    with Python literals (e.g. 'triton.enable_pdl=True'); a name this torch does not have
+    is skipped with a note in the compile line."""
+    inject_failure_at: int = -1
+    """Testing knob: raise a compile-like failure at this step (>= 0) to exercise the fallback."""
+
+
+@dataclass
+class TrainConfig:
+    name: str = "default"
+    out_dir: str = "runs"
+    device: str = "auto"
+    """'auto' (cuda if available), 'cpu', 'cuda', 'cuda:N' (or 'mps', untested)."""
+    precision: str = "auto"
+    """'auto' (bf16 on GPUs that have it, else fp16 on CUDA, fp32 on CPU), 'bf16', 'fp16', 'fp32'."""
+    max_steps: int = 120
+    halt_after: int = 0
+    """Checkpoint and exit after this many steps in this process (0: run to max_steps);
+    for time-sliced clusters and preemption tests. The schedule still uses max_steps."""
+    time_limit_s: float = 0.0
+    """Stop (and checkpoint) after this many seconds of training; 0: no limit."""
+    eval_every: int = 60
+    eval_batches: int = 10
+    log_every: int = 10
+    ckpt_every: int = 60
+    keep_ckpts: int = 3
+    """The newest checkpoints kept in the run directory; 0 keeps every one."""
+    ckpt_async: bool = True
+    """Write checkpoints on a background thread from a snapshot of the step (pinned host
+    copies); off: the loop waits for the file."""
+    resume: bool = True
+    """Resume from the latest valid checkpoint in runs/<name>/ if there is one."""
+    init_from: str = ""
+    """Start a new run from these weights (continued pretraining): a Hugging Face directory
+    (LlamaForCausalLM, e.g. Meta's Llama 3.2, or ArceeForCausalLM; config.json and
+    safetensors, one file or sharded), or a pytrain run directory or checkpoint. The model's
+    shape comes from it (the preset's speed settings stay); optimizer and schedule start
+    fresh. A run that resumes from its own checkpoint continues from that instead."""
+    activation_checkpointing: str = "off"
+    """'off', 'full', or 'every-N' (every N-th block)."""
+    fsdp: bool | None = None
+    """Under torchrun: shard parameters, gradients and optimizer state with FSDP2 (--fsdp),
+    replicate the model on every rank (--no-fsdp), or unset (auto): FSDP2 where the training
+    state would take over a quarter of one GPU's memory (pytrain.train.parallel)."""
+    dist_timeout_s: float = 120.0
+    """Under torchrun, how long a collective waits for the other ranks once training runs
+    (after the compile warm-up): a rank that died or hangs ends the job within this, not
+    after NCCL's 10 minutes. Longer than any step and than rank 0's synchronous checkpoint
+    write (docs/TRAINER.md, Distributed)."""
+    dist_init_timeout_s: float = 900.0
+    """The same during set-up, resume and the compile warm-up (a cold compile of a large
+    model takes minutes, and the ranks meet at its end)."""
+    deterministic: bool = False
+    """torch.use_deterministic_algorithms (for exact-resume checks)."""
+    seed: int = 1337
+    samples: int = 3
+    """Text samples generated at the end."""
+    sample_tokens: int = 80
+    progress: bool = True
+    tensorboard: bool = True
+    profile_steps: str = ""
+    """'A:B' records steps A..B-1 with torch.profiler: runs/<name>/profile/ gets a Chrome
+    trace and a table of kernel times per step (pytrain/train/profiling.py). Empty: off."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+
+
+def to_dict(cfg: TrainConfig) -> dict:
+    return dataclasses.asdict(cfg)
