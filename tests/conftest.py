@@ -115,3 +115,11 @@ def small_corpus(tmp_path_factory) -> tuple[Path, Path]:
         d / "val", learnable_docs(100, seed=2), frame_bytes=8192, dtype="uint16", vocab=256
     )
     return train, val
+
+
+def losses_by_step(log: str) -> dict[int, float]:
+    """The loss of each step line of a train.log's text (pytrain.train.metrics.read_step_lines),
+    by step; a step logged twice (a resumed run) keeps its last line."""
+    from pytrain.train.metrics import read_step_lines  # imports torch: only where used
+
+    return {int(row["step"]): row["loss"] for row in read_step_lines(log)}

@@ -5,13 +5,13 @@ union of their batches."""
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import losses_by_step
 from test_trainer import small_cfg
 
 from pytrain.data import DeviceBatch, TokenLoader, token_ids
@@ -92,21 +92,17 @@ def torchrun_train(small_corpus, tmp_path, name: str, port: int, *flags: str) ->
     return (tmp_path / "runs" / name / "train.log").read_text()
 
 
-def step_losses(log: str) -> dict[int, str]:
-    return dict(re.findall(r"step (\d+) loss (\S+)", log))
-
-
 @pytest.mark.slow
 def test_fsdp2_checkpoint_resumes_exactly(small_corpus, tmp_path):
     # Checkpoints gather the shards into whole tensors; a resumed 2-rank FSDP2 run must
     # continue with exactly the losses of an uninterrupted one.
-    whole = step_losses(torchrun_train(small_corpus, tmp_path, "whole", 29535))
+    whole = losses_by_step(torchrun_train(small_corpus, tmp_path, "whole", 29535))
     torchrun_train(small_corpus, tmp_path, "cut", 29536, "--halt_after", "3")
     ckpts = sorted((tmp_path / "runs" / "cut").glob("ckpt-*"))
     assert ckpts, "the halted run wrote no checkpoint"
-    resumed = step_losses(torchrun_train(small_corpus, tmp_path, "cut", 29537))
-    assert len(whole) == 6 and set(resumed) >= {"4", "5", "6"}
-    for step in ("4", "5", "6"):
+    resumed = losses_by_step(torchrun_train(small_corpus, tmp_path, "cut", 29537))
+    assert len(whole) == 6 and set(resumed) >= {4, 5, 6}
+    for step in (4, 5, 6):
         assert resumed[step] == whole[step], (step, resumed[step], whole[step])
 
 

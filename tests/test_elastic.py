@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 STEPS = 60
 
 
-def _reference(small_corpus, tmp_path) -> dict[int, str]:
+def _reference(small_corpus, tmp_path) -> dict[int, float]:
     """The same 2-rank job, never interrupted."""
     cmd = train_cmd(small_corpus, tmp_path, "whole", "--max_steps", str(STEPS), torchrun=2)
     r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
@@ -41,7 +41,7 @@ def _worker(torchrun: subprocess.Popen) -> int:
     return children(torchrun.pid)[-1]
 
 
-def _same_after(run, reference: dict[int, str], resumed_at: int) -> None:
+def _same_after(run, reference: dict[int, float], resumed_at: int) -> None:
     losses = step_losses(run)
     assert max(losses) == STEPS
     for step in range(resumed_at + 1, STEPS + 1):

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import losses_by_step
 from test_ddp import cfg_args
 
 from pytrain.train import checkpoint, disk
@@ -59,9 +60,8 @@ def train_cmd(
             "--deterministic", *flags]  # fmt: skip
 
 
-def step_losses(run_dir: Path) -> dict[int, str]:
-    text = (run_dir / "train.log").read_text()
-    return {int(s): loss for s, loss in re.findall(r"step (\d+) loss (\S+)", text)}
+def step_losses(run_dir: Path) -> dict[int, float]:
+    return losses_by_step((run_dir / "train.log").read_text())
 
 
 def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, limit: float = 240) -> None:

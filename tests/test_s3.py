@@ -6,7 +6,6 @@ checksums and batches as the local copy, and one clear line for what cannot be r
 from __future__ import annotations
 
 import itertools
-import re
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import losses_by_step
 
 from pytrain import _loader
 from pytrain.data import TokenLoader
@@ -261,7 +261,7 @@ def test_training_verify_and_inspect_take_s3_urls(s3_server, small_corpus, tmp_p
     mine = _train(str(local), str(val), tmp_path / "local", user_env)
     assert mine.returncode == 0, mine.stderr[-3000:]
     losses = [
-        re.findall(r"step (\d+) loss (\S+)", (tmp_path / w / "run" / "train.log").read_text())
+        losses_by_step((tmp_path / w / "run" / "train.log").read_text())
         for w in ("remote", "local")
     ]
     assert len(losses[0]) == 4 and losses[0] == losses[1]

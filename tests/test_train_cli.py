@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import losses_by_step
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -54,9 +55,7 @@ def test_embedded_default_trains_logs_checkpoints_and_resumes(tmp_path):
     run = tmp_path / "runs" / "default"
     assert list((run / "tb").glob("events.out.tfevents.*"))
     assert sorted(p.name for p in run.glob("ckpt-*.pt")) == ["ckpt-00000030.pt", "ckpt-00000060.pt"]
-    losses = [
-        float(x) for x in re.findall(r"step \d+ loss ([\d.]+)", (run / "train.log").read_text())
-    ]
+    losses = list(losses_by_step((run / "train.log").read_text()).values())
     assert losses[-1] < losses[0] - 1.0
 
     r = subprocess.run(
