@@ -91,6 +91,24 @@ def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> 
     return "\n".join(markdown_row(line) for line in [headers, ["---"] * len(headers), *rows])
 
 
+def bar_chart(bars: int):
+    """(figure, axes) of matplotlib, without a display, sized for `bars` horizontal bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(figsize=(8, 0.6 * bars + 1.5))
+
+
+def save_chart(fig, ax, title: str, path: Path) -> None:
+    """Titles a chart of `bar_chart`, writes it to `path` (PNG) and says where."""
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"plot: {path}")
+
+
 def read_steps(log: Path) -> list[dict[str, float]]:
     """The step lines of a run's train.log (pytrain.train.metrics.read_step_lines, the one
     reader of their format); none where the run left no log."""

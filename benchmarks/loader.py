@@ -32,7 +32,7 @@ import zstandard
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.harness import machine_line, markdown_table  # noqa: E402
+from benchmarks.harness import bar_chart, machine_line, markdown_table, save_chart  # noqa: E402
 from pytrain import _loader  # noqa: E402
 from pytrain.data import TokenLoader  # noqa: E402
 
@@ -241,17 +241,12 @@ def main() -> int:
             k: sorted(r["per_core"] for r in rs)[len(rs) // 2] / 1e6 for k, rs in results.items()
         }
         title = f"tokens/s per core into {'pinned' if pin else 'plain'} memory, {os.cpu_count()} cores, batch {args.batch} x {args.seq + 1}"
-        bar_chart(medians, "M tokens/s per CPU core (median)", title, args.plot)
+        plot_per_core(medians, "M tokens/s per CPU core (median)", title, args.plot)
     return 0
 
 
-def bar_chart(values: dict[str, float], xlabel: str, title: str, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 0.6 * len(values) + 1.5))
+def plot_per_core(values: dict[str, float], xlabel: str, title: str, path: Path) -> None:
+    fig, ax = bar_chart(len(values))
     names = list(values)[::-1]
     bars = ax.barh(
         names,
@@ -260,10 +255,7 @@ def bar_chart(values: dict[str, float], xlabel: str, title: str, path: Path) -> 
     )
     ax.bar_label(bars, fmt="%.1f", padding=3)
     ax.set_xlabel(xlabel)
-    ax.set_title(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    print(f"plot: {path}")
+    save_chart(fig, ax, title, path)
 
 
 if __name__ == "__main__":

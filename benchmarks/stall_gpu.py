@@ -26,7 +26,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.harness import machine_line, markdown_table  # noqa: E402
+from benchmarks.harness import bar_chart, machine_line, markdown_table, save_chart  # noqa: E402
 from benchmarks.loader import ShardWindows, flat_tokens  # noqa: E402
 from pytrain import _loader  # noqa: E402
 from pytrain.data import DeviceFeed, TokenLoader  # noqa: E402
@@ -173,16 +173,11 @@ def main() -> int:
 
 def plot_breakdown(results: list[dict], path: Path, title: str) -> None:
     """Stacked bars: GPU busy and GPU waiting for data per step (ms), per data source."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = [r["name"] for r in results][::-1]
     step = [r["step_ms"] for r in results][::-1]
     wait = [r["step_ms"] * r["wait_share"] for r in results][::-1]
     busy = [s - w for s, w in zip(step, wait, strict=True)]
-    fig, ax = plt.subplots(figsize=(8, 0.6 * len(names) + 1.5))
+    fig, ax = bar_chart(len(names))
     ax.barh(names, busy, label="GPU busy", color="tab:blue")
     ax.barh(names, wait, left=busy, label="GPU waiting for data", color="tab:red")
     for i, (s, w) in enumerate(zip(step, wait, strict=True)):
@@ -190,10 +185,7 @@ def plot_breakdown(results: list[dict], path: Path, title: str) -> None:
     ax.set_xlabel("step time (ms, median; CUDA events)")
     ax.set_xlim(0, max(step) * 1.35)
     ax.legend(loc="lower right", fontsize=8)
-    ax.set_title(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    print(f"plot: {path}")
+    save_chart(fig, ax, title, path)
 
 
 if __name__ == "__main__":
