@@ -81,6 +81,19 @@ def test_two_process_gloo_matches_single_process(small_corpus, tmp_path, wrapper
             assert not [n for n in threads if "gloo" in n], (i, threads)
 
 
+def assert_same_weights(run: Path, reference: Path, step: int) -> None:
+    """The newest checkpoints of two run directories are of `step` and hold the same model
+    weights, bit for bit (a sharded checkpoint read whole)."""
+    from pytrain.model.load import load
+
+    got, want = load(run), load(reference)
+    assert got.step == want.step == step, (got.step, want.step, step)
+    a, b = got.gpt.state_dict(), want.gpt.state_dict()
+    assert a.keys() == b.keys()
+    for name, tensor in a.items():
+        assert torch.equal(tensor, b[name]), name
+
+
 def torchrun_train(small_corpus, tmp_path, name: str, port: int, *flags: str) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent.parent)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
@@ -94,8 +107,8 @@ def torchrun_train(small_corpus, tmp_path, name: str, port: int, *flags: str) ->
 
 @pytest.mark.slow
 def test_fsdp2_checkpoint_resumes_exactly(small_corpus, tmp_path):
-    # Checkpoints gather the shards into whole tensors; a resumed 2-rank FSDP2 run must
-    # continue with exactly the losses of an uninterrupted one.
+    # A resumed 2-rank FSDP2 run continues with the losses of an uninterrupted one, bit for
+    # bit, and ends with the same weights.
     whole = losses_by_step(torchrun_train(small_corpus, tmp_path, "whole", 29535))
     torchrun_train(small_corpus, tmp_path, "cut", 29536, "--halt_after", "3")
     ckpts = sorted((tmp_path / "runs" / "cut").glob("ckpt-*"))
@@ -104,6 +117,7 @@ def test_fsdp2_checkpoint_resumes_exactly(small_corpus, tmp_path):
     assert len(whole) == 6 and set(resumed) >= {4, 5, 6}
     for step in (4, 5, 6):
         assert resumed[step] == whole[step], (step, resumed[step], whole[step])
+    assert_same_weights(tmp_path / "runs" / "cut", tmp_path / "runs" / "whole", 6)
 
 
 def _torchrun(n: int, port: int, script: str, *args: str) -> str:

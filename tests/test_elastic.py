@@ -2,7 +2,7 @@
 with SIGKILL brings the job down at once and `--max-restarts` resumes it from the last
 checkpoint; a rank that hangs (SIGSTOP) ends the job after the process group's timeout
 instead of never. Each time the losses after the checkpoint equal an uninterrupted run's
-(the loader continues exactly)."""
+bit for bit (the loader continues exactly), and so do the final weights."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch.distributed
 from conftest import SLURM, learnable_docs, slurm_job_state, write_synthetic
-from test_ddp import cfg_args
+from test_ddp import assert_same_weights, cfg_args
 from test_run_safety import ENV, _ports, children, step_losses, train_cmd, wait_for_step
 
 from pytrain.train import checkpoint
@@ -28,12 +28,12 @@ ROOT = Path(__file__).resolve().parent.parent
 STEPS = 60
 
 
-def _reference(small_corpus, tmp_path) -> dict[int, float]:
-    """The same 2-rank job, never interrupted."""
+def _reference(small_corpus, tmp_path) -> Path:
+    """The run directory of the same 2-rank job, never interrupted."""
     cmd = train_cmd(small_corpus, tmp_path, "whole", "--max_steps", str(STEPS), torchrun=2)
     r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    return step_losses(tmp_path / "runs" / "whole")
+    return tmp_path / "runs" / "whole"
 
 
 def _worker(torchrun: subprocess.Popen) -> int:
@@ -41,11 +41,14 @@ def _worker(torchrun: subprocess.Popen) -> int:
     return children(torchrun.pid)[-1]
 
 
-def _same_after(run, reference: dict[int, float], resumed_at: int) -> None:
-    losses = step_losses(run)
+def _same_after(run: Path, reference: Path, resumed_at: int) -> None:
+    """`run` logged the reference run's losses after step `resumed_at`, bit for bit, and
+    ended with its weights."""
+    losses, want = step_losses(run), step_losses(reference)
     assert max(losses) == STEPS
     for step in range(resumed_at + 1, STEPS + 1):
-        assert losses[step] == reference[step], (step, losses[step], reference[step])
+        assert losses[step] == want[step], (step, losses[step], want[step])
+    assert_same_weights(run, reference, STEPS)
 
 
 @pytest.mark.slow

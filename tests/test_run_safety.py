@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import losses_by_step
-from test_ddp import cfg_args
+from test_ddp import assert_same_weights, cfg_args
 
 from pytrain.train import checkpoint, disk
 from pytrain.train.run_lock import RunDirInUse, RunLock
@@ -153,7 +153,8 @@ def _stop_and_resume(
 ):
     """Trains, sends `sig` mid-run, and checks: the one-line stop, the exit code, a
     checkpoint at the stop step, and a resumed run whose losses equal an uninterrupted
-    run's at every later step (the loader continues exactly)."""
+    run's bit for bit at every later step (the loader continues exactly), ending with the
+    same weights."""
     steps = 400
     name = f"stop-{sig.name}-{torchrun}"
     run = tmp_path / "runs" / name
@@ -197,6 +198,29 @@ def _stop_and_resume(
     resumed, reference = step_losses(run), step_losses(whole)
     for step in range(stop + 1, end + 1):
         assert resumed[step] == reference[step], (step, resumed[step], reference[step])
+    assert_same_weights(run, whole, end)
+
+
+def test_the_step_lines_give_back_each_loss_bit_for_bit(tmp_path):
+    """What the resume tests compare: two losses one float32 step apart show the same 4
+    decimals in train.log, and read_step_lines gives each back as it was."""
+    from types import SimpleNamespace
+
+    from pytrain.data.batch import FeedTime
+    from pytrain.train.metrics import RunLog, StepLog, read_step_lines
+
+    log = RunLog(tmp_path, True, False)
+    steps = StepLog(log, lambda *a: None, flops_token=1.0, peak=None, world_size=1,
+                    log_every=1, progress=False, device=torch.device("cpu"))  # fmt: skip
+    first = torch.tensor(2 / 3)
+    losses = [float(first), float(torch.nextafter(first, torch.tensor(1.0)))]
+    for number, loss in enumerate(losses, 1):
+        r = SimpleNamespace(tokens=1000, loss=loss, grad_norm=1.0, skipped=None)
+        steps.step(r, number, 1.0, FeedTime(), 1e-3, 0, 0)
+    log.close()
+    text = (tmp_path / "train.log").read_text()
+    assert text.count(" loss 0.6667 ") == 2 and losses[0] != losses[1]
+    assert [x["loss"] for x in read_step_lines(text)] == losses
 
 
 @pytest.mark.slow

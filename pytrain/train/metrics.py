@@ -129,11 +129,12 @@ STEP_LINE = re.compile(r"\bstep (\d+) (loss .*)$", re.M)
 
 
 def read_step_lines(text: str) -> list[dict[str, float]]:
-    """train.log's step lines, as `StepLog.step` writes them, for the scripts that read
-    them back: {"step": n, "loss": ..., "lr": ..., "grad_norm": ..., "tok/s": ...,
+    """train.log's step lines, as `StepLog.step` writes them, for the scripts and tests that
+    read them back: {"step": n, "loss": ..., "lr": ..., "grad_norm": ..., "tok/s": ...,
     "step_ms": ..., "data_wait_ms": ..., "feed_ms": ..., "mfu": a fraction, "reserved_gib":
-    ...}; a field a line does not have (mfu off a GPU) is absent. Evaluation and skip lines
-    are not step lines."""
+    ...}; a field a line does not have (mfu off a GPU) is absent. "loss" is the exact value
+    (the line's `loss_exact`) where the line has it, else the 4 decimals shown. Evaluation
+    and skip lines are not step lines."""
     rows = []
     for number, rest in STEP_LINE.findall(text):
         words = rest.split()
@@ -141,6 +142,8 @@ def read_step_lines(text: str) -> list[dict[str, float]]:
         for key, value in zip(words[::2], words[1::2], strict=False):
             v = float(value.rstrip("%").replace(",", ""))
             row[key] = v / 100 if value.endswith("%") else v
+        if "loss_exact" in row:
+            row["loss"] = row.pop("loss_exact")
         rows.append(row)
     return rows
 
@@ -221,10 +224,14 @@ class StepLog:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{r.loss:.3f}", tok_s=f"{tok_s:,.0f}", refresh=False)
         if number % self.log_every == 0 or number == 1:
+            # loss_exact: the loss as repr writes it (float() gives back the same bits), so
+            # that a resumed run and an uninterrupted one compare bit for bit.
             line = (
                 f"step {number} loss {r.loss:.4f} lr {lr:.2e} grad_norm {r.grad_norm:.3f} "
                 f"tok/s {tok_s:,.0f} step_ms {dt * 1e3:.1f} data_wait_ms {fed.wait_s * 1e3:.2f} "
-                f"feed_ms {fed.host_s * 1e3:.2f}" + (f" mfu {mfu:.1%}" if mfu else "")
+                f"feed_ms {fed.host_s * 1e3:.2f}"
+                + (f" mfu {mfu:.1%}" if mfu else "")
+                + f" loss_exact {r.loss!r}"
             )
             if self.device.type == "cuda":  # what the caching allocator holds: what must fit
                 line += f" reserved_gib {torch.cuda.max_memory_reserved(self.device) / 2**30:.2f}"
