@@ -6,13 +6,19 @@ from __future__ import annotations
 import atexit
 import faulthandler
 import os
+import socket
 import sys
+import time
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import NoReturn
 
 import torch
 import torch.distributed as dist
+
+TOKEN_KEY = "pytrain/attempt-store"
+"""The agents' store's entry where rank 0 leaves its own store's port and token."""
 
 
 @dataclass
@@ -22,6 +28,8 @@ class DistInfo:
     local_rank: int = 0
     launched: bool = False
     """Started by torchrun (or another launcher that sets its variables)."""
+    local_world_size: int = 0
+    """Ranks on this rank's node (torchrun's LOCAL_WORLD_SIZE); 0: not said (one node)."""
 
     @property
     def enabled(self) -> bool:
@@ -33,6 +41,11 @@ class DistInfo:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def per_node(self) -> int:
+        """Ranks a node: LOCAL_WORLD_SIZE where the launcher says it, else all of them."""
+        return self.local_world_size or self.world_size
+
 
 def from_env() -> DistInfo:
     """This process's place as torchrun's environment gives it."""
@@ -41,6 +54,7 @@ def from_env() -> DistInfo:
         int(os.environ.get("WORLD_SIZE", 1)),
         int(os.environ.get("LOCAL_RANK", 0)),
         launched="TORCHELASTIC_RUN_ID" in os.environ and "MASTER_ADDR" in os.environ,
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 0)),
     )
 
 
@@ -93,21 +107,51 @@ def check_gpu(info: DistInfo, device: torch.device) -> None:
 
 
 def _attempt_store(info: DistInfo, timeout_s: float) -> dist.Store:
-    """The rendezvous store of this attempt of the job: torchrun's (or rank 0's) TCPStore
-    under a prefix of its own per restart. With torchrun's default (static) rendezvous the
-    store outlives a restart (`--max-restarts`), and without the prefix the restarted ranks
-    read the dead ones' addresses from it and fail to connect (gloo: "connectFullMesh
-    failed ... Connection refused"; seen with a plain gloo script too)."""
-    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun hosts it
-    store = dist.TCPStore(
-        os.environ.get("MASTER_ADDR", "127.0.0.1"),
-        int(os.environ.get("MASTER_PORT", "29500")),
-        info.world_size,
-        is_master=info.rank == 0 and not agent,
-        timeout=timedelta(seconds=timeout_s),
-    )
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"pytrain/attempt-{attempt}", store)
+    """The rendezvous store of this attempt of the job, which no earlier attempt wrote to.
+
+    Under torchrun the agents' store outlives a restart (`--max-restarts`; the static
+    rendezvous's, and c10d's, whose rank-0 agent keeps its store server from round to
+    round): restarted ranks reading it would find the dead ranks' addresses (gloo:
+    "connectFullMesh failed ... Connection refused"). A prefix per restart count does not
+    do across nodes: each agent counts its own restarts, and an agent that restarts its
+    workers because another node's failed does not count it, so two nodes' ranks may
+    disagree on the attempt (seen with two agents of two ranks each). So rank 0 starts a
+    store of its own on a free port and leaves its address and a fresh token in the agents'
+    store; the other ranks read that entry until they reach a live store holding the same
+    token (an entry of an earlier attempt names the store of a rank 0 that is gone: the
+    agents stop every worker before the next attempt starts). Without an agent's store,
+    rank 0 serves at MASTER_ADDR:MASTER_PORT, a new store every attempt."""
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = int(os.environ.get("MASTER_PORT", "29500"))
+    timeout = timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return dist.TCPStore(host, port, info.world_size, is_master=info.rank == 0, timeout=timeout)
+    agents = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    if info.rank == 0:
+        ours = dist.TCPStore(host, 0, is_master=True, timeout=timeout, wait_for_workers=False)
+        token = uuid.uuid4().hex
+        ours.set(TOKEN_KEY, token)
+        agents.set(TOKEN_KEY, f"{ours.port} {token}")
+        return ours
+    deadline = time.monotonic() + timeout_s
+    while True:
+        at, token = agents.get(TOKEN_KEY).decode().split()  # waits for rank 0's first entry
+        try:
+            # A plain connection first: an earlier attempt's address refuses it at once,
+            # where a store client would retry (and log each retry) until its timeout.
+            socket.create_connection((host, int(at)), timeout=timeout_s).close()
+            ours = dist.TCPStore(host, int(at), is_master=False, timeout=timedelta(seconds=10))
+            if ours.get(TOKEN_KEY).decode() == token:
+                ours.set_timeout(timeout)
+                return ours
+        except (OSError, RuntimeError):  # refused, or another store: an earlier attempt's
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"rank {info.rank}: no store of this attempt's rank 0 within {timeout_s:.0f} s "
+                f"(its entry in torchrun's store at {host}:{port} names {at})"
+            )
+        time.sleep(0.2)
 
 
 def set_timeout(info: DistInfo, timeout_s: float) -> str | None:
