@@ -42,6 +42,7 @@ BOUNDS = {
     "eval_every": (0, None),
     "ckpt_every": (0, None),
     "log_every": (1, None),
+    "fsdp_shard_size": (0, None),
 }
 """Numbers with a range (inclusive; None: open), checked where the command line is read.
 Positive-only ones (learning rates, betas below 1) are checked in check_choices."""
@@ -107,6 +108,11 @@ def check_choices(cfg: TrainConfig) -> None:
                     f"--data.stages at step {step}: no source {', '.join(map(repr, unknown))} "
                     f"in --data.mix ({', '.join(names)})"
                 )
+    if cfg.fsdp_shard_size and cfg.fsdp is not True:
+        raise ConfigError(
+            f"fsdp_shard_size {cfg.fsdp_shard_size} sets FSDP2's shard groups: it needs --fsdp "
+            "(or fsdp_shard_size 0)"
+        )
     inductor_options(cfg.compile.inductor)
     profile_window(cfg.profile_steps)
     checkpoint_every(cfg.activation_checkpointing)

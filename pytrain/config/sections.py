@@ -116,6 +116,12 @@ class TrainConfig:
     """Under torchrun: shard parameters, gradients and optimizer state with FSDP2 (--fsdp),
     replicate the model on every rank (--no-fsdp), or unset (auto): FSDP2 where the training
     state would take over a quarter of one GPU's memory (pytrain.train.parallel)."""
+    fsdp_shard_size: int = 0
+    """Under FSDP2, how many ranks shard the model together: the job's ranks form groups of
+    this many, which hold replicas of each other (HSDP: gradients reduce-scattered within a
+    group, all-reduced between groups). 0 (auto): a node's ranks where the job spans
+    several nodes (torchrun's LOCAL_WORLD_SIZE), else all ranks; N: groups of N consecutive
+    ranks (N = all ranks: FSDP2 over every node). Needs --fsdp where it is not 0."""
     dist_timeout_s: float = 120.0
     """Under torchrun, how long a collective waits for the other ranks once training runs
     (after the compile warm-up): a rank that died or hangs ends the job within this, not

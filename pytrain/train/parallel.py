@@ -17,7 +17,15 @@ at start-up and said in one line, and the wrapping itself.
   (`no_sync` before), in buckets that overlap the backward.
 - `fsdp2`: FSDP2's `fully_shard` per block: each rank holds a shard of the parameters,
   gradients and optimizer state; with bf16, parameters are gathered in bf16 and gradients
-  reduced in fp32 (its MixedPrecisionPolicy, as torchtitan sets it).
+  reduced in fp32 (its MixedPrecisionPolicy, as torchtitan sets it). Over several nodes it
+  is HSDP: a 2-D device mesh (replicate x shard), FSDP2 within each group of
+  `fsdp_shard_size` ranks and the groups replicas of each other. Gradients are
+  reduce-scattered within a group and the shards all-reduced between the groups, so the
+  per-block all-gathers of the forward and backward stay on a node's links (NVLink) and
+  only one all-reduce of a shard's gradients a step crosses the network. fsdp_shard_size
+  0 (auto) takes a node's ranks (torchrun's LOCAL_WORLD_SIZE) where the job has several
+  nodes, and all ranks on one node (plain FSDP2); a number N takes groups of N ranks (N =
+  the world's size: FSDP2 over every rank of every node, the most memory saved).
 
 `--fsdp` asks for FSDP2, `--no-fsdp` for the replicated kinds; by default (auto) FSDP2 is
 used when the model's training state would take more than a quarter of one GPU's memory,
@@ -29,12 +37,17 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from pytrain.config import ConfigError
 from pytrain.optim.master_adamw import STATE_DTYPES
 from pytrain.train.distributed import DistInfo
+
+if TYPE_CHECKING:
+    from pytrain.config import TrainConfig
 
 AUTO_FSDP_SHARE = 0.25
 """fsdp auto: FSDP2 when the training state exceeds this share of one device's memory."""
@@ -51,6 +64,9 @@ class Plan:
     """'single', 'replicas', 'ddp' or 'fsdp2'."""
     line: str
     """What was chosen and why, for the start-up lines ('' in one process)."""
+    shard: int = 0
+    """FSDP2: the ranks that shard the model together; the world's ranks / shard groups
+    hold replicas of each other (HSDP where there are several)."""
 
     @property
     def sharded(self) -> bool:
@@ -64,27 +80,54 @@ def state_bytes(model: torch.nn.Module, master: bool, state_dtype: str = "fp32")
     return per_param * sum(p.numel() for p in model.parameters())
 
 
+def shard_group(asked: int, info: DistInfo) -> tuple[int, str]:
+    """(the ranks that shard the model together under FSDP2, why): fsdp_shard_size `asked`,
+    or for 0 (auto) a node's ranks where the job spans several nodes, else every rank."""
+    world, node = info.world_size, info.per_node
+    if asked:
+        if world % asked:
+            raise ConfigError(
+                f"fsdp_shard_size {asked} does not divide the job's {world} ranks: use a "
+                f"divisor of {world} ({node} is a node's ranks), or 0 (auto)"
+            )
+        return asked, f"fsdp_shard_size {asked}"
+    if node < world and world % node == 0:
+        return node, f"fsdp_shard_size auto: a node's {node} ranks"
+    return world, "fsdp_shard_size auto: one node"
+
+
 def choose(
-    fsdp: bool | None, info: DistInfo, device: torch.device, state: int, master: bool
+    cfg: TrainConfig, info: DistInfo, device: torch.device, state: int, master: bool
 ) -> Plan:
-    """The wrapper for this run (`fsdp`: the configuration's True, False or None = auto)."""
+    """The wrapper for this run (cfg.fsdp: True, False or None = auto; cfg.fsdp_shard_size:
+    the ranks of a shard group, 0 = auto)."""
     if not info.enabled:
         return Plan("single", "")
+    fsdp = cfg.fsdp
     replicated = "replicas" if master else "ddp"
+    shard, why_shard = shard_group(cfg.fsdp_shard_size, info)
+    replicas = info.world_size // shard
     how = {
         "replicas": "replicated, bf16 weights with fp32 masters, fp32 gradients all-reduced "
         "once per optimizer step",
         "ddp": "DDP, gradients all-reduced in buckets during the last micro-batch's backward",
-        "fsdp2": "FSDP2, parameters, gradients and optimizer state sharded over the ranks",
+        "fsdp2": "FSDP2, parameters, gradients and optimizer state sharded over the ranks"
+        if replicas == 1
+        else f"HSDP, FSDP2 within each group of {shard} ranks (parameters, gradients and "
+        f"optimizer state sharded), {replicas} groups holding replicas, the gradients' "
+        "shards all-reduced between them",
     }
     if fsdp is not None:
         kind = "fsdp2" if fsdp else replicated
-        return Plan(kind, f"data parallel: {how[kind]} ({'--fsdp' if fsdp else '--no-fsdp'})")
+        why = f"--fsdp; {why_shard}" if fsdp else "--no-fsdp"
+        return Plan(kind, f"data parallel: {how[kind]} ({why})", shard)
     total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
     gb = f"{state / 1e9:.1f} GB"
     if total and state > AUTO_FSDP_SHARE * total:
         why = f"the training state, {gb}, is over a quarter of one GPU's {total / 1e9:.0f} GB"
-        return Plan("fsdp2", f"data parallel: {how['fsdp2']} (fsdp auto: {why})")
+        return Plan(
+            "fsdp2", f"data parallel: {how['fsdp2']} (fsdp auto: {why}; {why_shard})", shard
+        )
     where = f"one GPU's {total / 1e9:.0f} GB" if total else "one device"
     return Plan(
         replicated,
@@ -110,8 +153,17 @@ def wrap(
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         # The mesh on the training device: FSDP2's default takes the machine's accelerator,
-        # which breaks a run on the CPU (--device cpu) of a host that has GPUs.
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        # which breaks a run on the CPU (--device cpu) of a host that has GPUs. Two
+        # dimensions (replicate, shard) make fully_shard HSDP; torchrun numbers a node's
+        # ranks consecutively, so a shard group of a node's size is one node.
+        replicas = dist.get_world_size() // plan.shard
+        mesh = (
+            init_device_mesh(
+                device.type, (replicas, plan.shard), mesh_dim_names=("replicate", "shard")
+            )
+            if replicas > 1
+            else init_device_mesh(device.type, (plan.shard,))
+        )
         mp = (
             MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             if dtype == torch.bfloat16

@@ -128,7 +128,7 @@ class Trainer:
         self.loss_module = LossModule(self.gpt)
         masters = keeps_masters(cfg.optim, self.device, self.precision.dtype, sharded=False)
         state = parallel.state_bytes(self.gpt, masters, cfg.optim.state_dtype)
-        self.plan = parallel.choose(cfg.fsdp, self.dist, self.device, state, masters)
+        self.plan = parallel.choose(cfg, self.dist, self.device, state, masters)
         self.module = parallel.wrap(self.loss_module, self.plan, self.device, self.precision.dtype)
         self.sharded = self.plan.sharded  # FSDP2: ranks hold shards of each parameter
 
