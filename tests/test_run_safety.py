@@ -7,6 +7,7 @@ checkpoint intact."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import signal
@@ -148,6 +149,36 @@ def test_a_checkpoint_of_the_previous_version_still_loads(tmp_path):
 # ---- 2. a signal stops a run at a checkpoint ---------------------------------------------
 
 
+_RECORD_EACH_RANK = """
+import json, os, runpy
+from pytrain.train import trainer
+
+fit, end = trainer.Trainer.fit, os._exit
+ended = {{}}
+
+
+def recorded_fit(self):
+    result = fit(self)
+    ended.update(step=result["step"], stopped_by=result["stopped_by"])
+    return result
+
+
+def recorded_exit(code):  # what `python -m pytrain.train` ends a torchrun rank with
+    with open(os.path.join({out!r}, "rank" + os.environ["RANK"] + ".json"), "w") as f:
+        json.dump({{**ended, "exit": code}}, f)
+    end(code)
+
+
+trainer.Trainer.fit = recorded_fit
+os._exit = recorded_exit
+runpy.run_module("pytrain.train", run_name="__main__", alter_sys=True)
+"""
+"""`python -m pytrain.train` for torchrun to start, writing in directory `out` each rank's
+step and signal as fit() returned them and the code its process exits with. torchrun
+itself exits 1, and reports its workers' codes only where they end before it does (not
+where it is the one signalled)."""
+
+
 def _stop_and_resume(
     small_corpus, tmp_path, sig: signal.Signals, torchrun: int = 0, to_one_rank=False
 ):
@@ -160,6 +191,11 @@ def _stop_and_resume(
     run = tmp_path / "runs" / name
     cmd = train_cmd(small_corpus, tmp_path, name, "--max_steps", str(steps), "--ckpt_every", "1000",
                     torchrun=torchrun)  # fmt: skip
+    if torchrun:  # each rank's end recorded in tmp_path
+        entry = tmp_path / "record_each_rank.py"
+        entry.write_text(_RECORD_EACH_RANK.format(out=str(tmp_path)))
+        at = cmd.index("pytrain.train")
+        cmd[at - 1 : at + 1] = [str(entry)]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     wait_for_step(run, 6, p)
     if to_one_rank:  # one worker of torchrun's, as a node-local signal would be
@@ -173,14 +209,18 @@ def _stop_and_resume(
     assert m, out[-2000:] + err[-2000:]
     stop = int(m.group(1))
     assert 6 <= stop < steps
+    assert m.group(2) == sig.name  # a rank the signal missed takes the others' (their sum)
     if torchrun:
-        assert p.returncode != 0  # torchrun reports its workers' non-zero exit
+        # torchrun's own exit: a worker failed, or torchrun was signalled itself.
+        assert p.returncode == 1, p.returncode
+        ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(torchrun)]
+        assert ranks == [{"step": stop, "stopped_by": sig.name, "exit": 128 + sig}] * torchrun
     else:
         assert p.returncode == 128 + sig, p.returncode
-        assert m.group(2) == sig.name
     assert [c.name for c in checkpoint.list_checkpoints(run)] == [f"ckpt-{stop:08d}.pt"]
     saved = checkpoint.read(run / f"ckpt-{stop:08d}.pt")
     assert saved["step"] == stop and saved["world_size"] == max(torchrun, 1)
+    assert len(saved["ranks"]) == max(torchrun, 1)  # every rank's random state, at that step
 
     end = stop + 4
     # Both legs and the reference keep max_steps (the LR schedule) and halt after `end`.
