@@ -220,3 +220,32 @@ def test_export_in_bf16_halves_the_file_and_keeps_the_logits_close(text_datasets
     assert (a - b).abs().max().item() < 0.05 * b.abs().max().item()
     with pytest.raises(SystemExit):
         export_main([str(tmp_path / "run"), str(tmp_path / "x"), "--dtype", "fp8"])
+
+
+def test_metas_llama_3_1_8b_config_reads_as_the_8b_preset():
+    """Llama-3.1-8B's config.json as Meta published it, read by from_hf, is the
+    configs/llama-8b.toml architecture at Llama 3's vocabulary (Llama 3.1's RoPE scaling
+    included), and both models have Llama-3.1-8B's 8,030,261,248 parameters (built on the
+    meta device: shapes only)."""
+    from pathlib import Path
+
+    from test_init_from import LLAMA_3_2_1B
+
+    from pytrain.model.hf import from_hf
+
+    # Llama-3.1-8B's config.json, as Meta published it, differs from Llama-3.2-1B's in these
+    # (its head size, 128, it leaves to hidden_size / num_attention_heads).
+    config = {**LLAMA_3_2_1B, "head_dim": 128, "hidden_size": 4096, "intermediate_size": 14336,
+              "num_hidden_layers": 32, "tie_word_embeddings": False,
+              "rope_scaling": {**LLAMA_3_2_1B["rope_scaling"], "factor": 8.0}}  # fmt: skip
+    with torch.device("meta"):
+        theirs = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
+    cfg, state = from_hf(config, theirs.state_dict())
+    preset = Path(__file__).resolve().parent.parent / "configs" / "llama-8b.toml"
+    ours = parse_args(["--config", str(preset), "--model.vocab_size", "128256"]).model
+    assert cfg.architecture() == ours.architecture()
+    assert state["head.weight"] is not state["embed.weight"]  # untied
+    with torch.device("meta"):
+        gpt = GPT(ours)
+    counts = [sum(p.numel() for p in m.parameters()) for m in (gpt, theirs)]
+    assert counts == [8_030_261_248] * 2

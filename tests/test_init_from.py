@@ -141,20 +141,24 @@ def test_sources_it_cannot_take_are_one_line_each(small_corpus, tmp_path):
     assert "GPT2LMHeadModel is not a class pytrain reads" in r.stderr + r.stdout
 
 
+LLAMA_3_2_1B = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 64, "hidden_act": "silu",
+    "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 8192,
+    "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
+    "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8,
+    "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "use_cache": True, "vocab_size": 128256,
+}  # fmt: skip
+"""Llama-3.2-1B's config.json as Meta published it."""
+
+
 def test_metas_llama_3_2_1b_config_reads_as_the_1b_preset():
     """Llama-3.2-1B's config.json as Meta published it (weights as shapes only)."""
-    config = {
-        "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-        "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 64, "hidden_act": "silu",
-        "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 8192,
-        "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
-        "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8,
-        "pretraining_tp": 1, "rms_norm_eps": 1e-05,
-        "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-        "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
-        "use_cache": True, "vocab_size": 128256,
-    }  # fmt: skip
+    config = LLAMA_3_2_1B
     names = ["model.embed_tokens.weight", "model.norm.weight"] + [
         f"model.layers.{i}.{n}.weight" for i in range(16) for n in (
             "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
