@@ -37,14 +37,13 @@ from benchmarks.harness import machine_line, markdown_table, median_steady, read
 
 # The trainer in this process after capping its share of the GPU's memory. The cap needs
 # torch, and torch must come after the trainer's Inductor guards (they are read at import):
-# so the guards are applied here first, as the trainer's CLI would, and it is told so.
+# so the guards are applied here first, by the trainer CLI's own function, and it is told so.
 CAPPED = """
 import runpy, sys
 from pytrain.config import parse_args
-from pytrain.train.env_guards import apply_safe_env
+from pytrain.train.cli import apply_env_guards
 gb, argv = float(sys.argv[1]), sys.argv[2:]
-cfg = parse_args(argv)
-apply_safe_env(cfg.compile.cache_dir or f"{cfg.out_dir}/{cfg.name}/inductor-cache")
+apply_env_guards(parse_args(argv))
 import torch
 total = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0
 if gb and gb * 2**30 < total:

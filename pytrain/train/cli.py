@@ -37,6 +37,19 @@ def read_fallbacks(out: str) -> list[str]:
     return [x.strip()[:160] for x in out.splitlines() if x.startswith("compile fallback")]
 
 
+def apply_env_guards(cfg) -> None:
+    """What `python -m pytrain.train` sets before torch is imported, unless
+    --compile.safe_env is off: Inductor's environment guards (env_guards) and its cache
+    directory. A benchmark that must import torch before the trainer (benchmarks/fit.py caps
+    its GPU memory) calls this first and passes --no-compile.safe_env to the trainer."""
+    if not cfg.compile.safe_env:
+        return
+    from pytrain.train.env_guards import apply_safe_env
+
+    cache = cfg.compile.cache_dir or f"{cfg.out_dir}/{cfg.name}/inductor-cache"
+    apply_safe_env(cache, cudagraphs=cfg.compile.mode == "reduce-overhead")
+
+
 EXIT_OK = 0
 EXIT_USER_ERROR = 2
 """A bad setting, a missing or damaged dataset, a checkpoint that does not fit or would
@@ -98,11 +111,7 @@ def _main(argv: list[str] | None) -> int:
     from pytrain.config import parse_args
 
     cfg = parse_args(argv)
-    if cfg.compile.safe_env:
-        from pytrain.train.env_guards import apply_safe_env
-
-        cache = cfg.compile.cache_dir or f"{cfg.out_dir}/{cfg.name}/inductor-cache"
-        apply_safe_env(cache, cudagraphs=cfg.compile.mode == "reduce-overhead")
+    apply_env_guards(cfg)
     from pytrain.model import fused_swiglu
     from pytrain.train.guard import TrainingStopped
     from pytrain.train.out_of_memory import explained
