@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -133,3 +134,187 @@ def test_a_config_keeps_its_coordinate_descent_mark_through_a_compile_worker():
     plain = pickle.loads(pickle.dumps(triton.Config({"XBLOCK": 8})))
     assert not getattr(plain, "found_by_coordesc", False)  # nothing invented
     assert compile_cache.patch_config_pickle() is False  # never twice
+
+
+# ---- nothing of a run directory someone else wrote is loaded as code ------------------------
+
+
+def _planted_artifacts(marker: Path) -> bytes:
+    """An artifacts file as torch.compiler.save_cache_artifacts writes one, whose loading
+    writes `marker`: an autotune entry's key is a path that torch joins to its cache
+    directory (an absolute one replaces it) and writes the entry to. A key naming a
+    `.pth` file of site-packages, or an entry in Inductor's graph cache (a pickle it loads
+    later), runs code; the marker shows that a load happened."""
+    import torch
+    from torch.compiler._cache import CacheArtifactManager
+
+    with CacheArtifactManager.with_fresh_cache():
+        CacheArtifactManager._ensure_cache_artifacts_registered()
+        CacheArtifactManager.record_artifact("autotune", str(marker), {"planted": True})
+        data, _ = torch.compiler.save_cache_artifacts()
+    return data
+
+
+def test_compile_artifacts_load_only_when_signed_with_this_users_key(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    mine, theirs = tmp_path / "mine", tmp_path / "theirs"
+    monkeypatch.setenv("PYTRAIN_CONFIG_DIR", str(mine))
+    marker = tmp_path / "PWNED"
+    planted = _planted_artifacts(marker)
+    path = tmp_path / "run" / "compile-artifacts.bin"
+    path.parent.mkdir()
+    path.write_bytes(planted)  # in a run directory someone else wrote
+    loaded = compile_cache.load_artifacts(path)
+    assert not marker.exists(), "an unsigned artifacts file was loaded"
+    assert loaded is False
+    key = mine / "signing.key"
+    assert capsys.readouterr().out.splitlines() == [
+        f"compile cache artifacts {path} skipped: not signed with this user's key ({key}); "
+        "loading them could run code this user did not write, so the run compiles afresh"
+    ]
+    from pytrain.train import signing
+
+    monkeypatch.setenv("PYTRAIN_CONFIG_DIR", str(theirs))  # another user's trainer signs it
+    path.write_bytes(signing.sign(planted, compile_cache.ARTIFACTS))
+    monkeypatch.setenv("PYTRAIN_CONFIG_DIR", str(mine))
+    assert compile_cache.load_artifacts(path) is False and not marker.exists()
+    assert capsys.readouterr().out.splitlines() == [
+        f"compile cache artifacts {path} skipped: signed with another key than this user's "
+        f"({key}), or changed since; loading them could run code this user did not write, so "
+        "the run compiles afresh"
+    ]
+    # This user's trainer signs what it saves, and loads it (the planted entry is written:
+    # the file above would have been loaded).
+    path.write_bytes(signing.sign(planted, compile_cache.ARTIFACTS))
+    assert compile_cache.load_artifacts(path) is True and marker.exists()
+    assert capsys.readouterr().out == ""
+
+
+def test_the_signing_key_is_made_once_outside_the_run_readable_by_this_user_only(
+    tmp_path, monkeypatch
+):
+    from pytrain.train import signing
+
+    monkeypatch.delenv("PYTRAIN_CONFIG_DIR", raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    assert signing.key_path() == tmp_path / "xdg" / "pytrain" / "signing.key"
+    monkeypatch.setenv("PYTRAIN_CONFIG_DIR", str(tmp_path / "cfg"))
+    key = signing.key()
+    path = tmp_path / "cfg" / "signing.key"
+    assert signing.key_path() == path and len(key) == signing.KEY_BYTES
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert signing.key() == key  # made once
+    assert list(path.parent.iterdir()) == [path]  # no temporary left
+    blob = signing.sign(b"data", "a")
+    assert signing.unsign(blob, "a") == b"data"
+    with pytest.raises(signing.NotTrusted):  # signed for something else
+        signing.unsign(blob, "b")
+    with pytest.raises(signing.NotTrusted):  # changed
+        signing.unsign(blob[:-1] + b"x", "a")
+    path.chmod(0o644)  # readable by others: it would sign for them too
+    with pytest.raises(signing.NoKey, match="not this user's alone"):
+        signing.key()
+
+
+def test_the_runs_inductor_cache_is_used_only_where_this_users_trainer_made_it(
+    tmp_path, monkeypatch
+):
+    """Inductor loads its cache entries itself (pickles, kernel modules it imports): the
+    run's cache directory is used where the trainer signed it, else not at all."""
+    import shutil
+
+    from pytrain.train.env_guards import run_inductor_cache
+
+    monkeypatch.setenv("PYTRAIN_CONFIG_DIR", str(tmp_path / "mine"))
+    run = tmp_path / "runs" / "a"
+    cache = run / "inductor-cache"
+    assert run_inductor_cache(run) == (str(cache), None)  # made now, and signed
+    (cache / "fxgraph").mkdir()  # Inductor's entries
+    (cache / "fxgraph" / "entry").write_bytes(b"a pickle")
+    assert run_inductor_cache(run) == (str(cache), None)  # ours: used
+    key = tmp_path / "mine" / "signing.key"
+    shutil.copytree(run, tmp_path / "runs" / "b")  # copied, with its signature
+    got, note = run_inductor_cache(tmp_path / "runs" / "b")
+    assert got is None and note == (
+        f"Inductor cache {tmp_path / 'runs' / 'b' / 'inductor-cache'} not used: signed with "
+        f"another key than this user's ({key}), or copied or moved since, and its entries could "
+        "run code this user did not write; Inductor uses its default cache (remove the "
+        "directory for the run to keep a cache of its own again)"
+    )
+    (run / "inductor-cache" / ".pytrain-signature").unlink()  # someone else's: unsigned
+    got, note = run_inductor_cache(run)
+    assert got is None and note and f"not used: not signed with this user's key ({key})" in note
+    monkeypatch.setenv("PYTRAIN_CONFIG_DIR", str(tmp_path / "theirs"))  # another user's key
+    got, note = run_inductor_cache(tmp_path / "runs" / "b")
+    assert got is None and note and "signed with another key" in note
+    empty = tmp_path / "runs" / "c" / "inductor-cache"
+    empty.mkdir(parents=True)  # nothing in it to load: made ours
+    assert run_inductor_cache(empty.parent) == (str(empty), None)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="Inductor's CPU backend needs a C++ compiler")
+def test_a_copied_run_directory_resumes_compiled_and_loads_none_of_its_compile_caches(
+    small_corpus, tmp_path, monkeypatch
+):
+    import torch
+    from test_run_safety import ENV, train_cmd
+
+    from pytrain.train import checkpoint
+
+    (tmp_path / "tmp").mkdir()  # Inductor's default cache goes under TMPDIR
+    theirs = {
+        **ENV,
+        "PYTRAIN_CONFIG_DIR": str(tmp_path / "theirs"),
+        "TMPDIR": str(tmp_path / "tmp"),
+    }
+    mine = {**theirs, "PYTRAIN_CONFIG_DIR": str(tmp_path / "mine")}
+
+    def train(env: dict, *flags: str) -> str:
+        cmd = train_cmd(small_corpus, tmp_path, "copied", *flags)
+        cmd.remove("--no-compile.safe_env")  # the guards name the run's Inductor cache
+        at = cmd.index("--data.val_path")  # no evaluation: half the graphs to compile
+        del cmd[at : at + 2]
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        return r.stdout
+
+    train(theirs, "--max_steps", "2")  # someone else's run
+    run = tmp_path / "runs" / "copied"
+    ckpt = run / "ckpt-00000002.pt"
+    # It ran eager (compiling it too would double this test's time); its checkpoint says it
+    # compiled, as it would have, or the resumed run would keep to eager.
+    torch.save({**checkpoint.read(ckpt), "compile_mode": "default"}, ckpt)
+    # What such a run directory may hold besides: an artifacts file whose loading writes
+    # where its keys say, and entries in its Inductor cache.
+    marker = tmp_path / "PWNED"
+    (run / "compile-artifacts.bin").write_bytes(_planted_artifacts(marker))
+    entry = run / "inductor-cache" / "fxgraph" / "planted"
+    entry.parent.mkdir()
+    entry.write_bytes(b"a pickle Inductor would load")
+    cache_before = sorted((run / "inductor-cache").rglob("*"))
+
+    out = train(mine, "--max_steps", "3", "--compile")
+    assert not marker.exists(), "the copied run's compile artifacts were loaded"
+    key = tmp_path / "mine" / "signing.key"
+    lines = out.splitlines()
+    assert (
+        f"compile cache artifacts {run / 'compile-artifacts.bin'} skipped: not signed with this "
+        f"user's key ({key}); loading them could run code this user did not write, so the run "
+        "compiles afresh"
+    ) in lines, out[-3000:]
+    assert (
+        f"Inductor cache {run / 'inductor-cache'} not used: signed with another key than this "
+        f"user's ({key}), or copied or moved since, and its entries could run code this user "
+        "did not write; Inductor uses its default cache (remove the directory for the run to "
+        "keep a cache of its own again)"
+    ) in lines, out[-3000:]
+    assert f"resumed from {run / 'ckpt-00000002.pt'} at step 2" in lines
+    assert "compile: default" in out  # it compiled
+    assert sorted((run / "inductor-cache").rglob("*")) == cache_before  # Inductor kept off it
+    assert any((tmp_path / "tmp").glob("torchinductor_*"))  # its default cache instead
+    # What this run saved is signed with this user's key: the next start loads it.
+    from pytrain.train import signing
+
+    monkeypatch.setenv("PYTRAIN_CONFIG_DIR", str(tmp_path / "mine"))
+    assert signing.unsign((run / "compile-artifacts.bin").read_bytes(), compile_cache.ARTIFACTS)

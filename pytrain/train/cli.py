@@ -11,9 +11,11 @@ This module imports no torch until the environment guards are in place."""
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import time
+from pathlib import Path
 
 START_LINE = re.compile(
     r"\| attention (?P<attention>\S+) \| output layer (?P<output_layer>\S+) "
@@ -44,9 +46,13 @@ def apply_env_guards(cfg) -> None:
     its GPU memory) calls this first and passes --no-compile.safe_env to the trainer."""
     if not cfg.compile.safe_env:
         return
-    from pytrain.train.env_guards import apply_safe_env
+    from pytrain.train.env_guards import apply_safe_env, run_inductor_cache
 
-    cache = cfg.compile.cache_dir or f"{cfg.out_dir}/{cfg.name}/inductor-cache"
+    cache = cfg.compile.cache_dir or os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not cache:  # the run's own, where this user's trainer made it (see there)
+        cache, note = run_inductor_cache(Path(cfg.out_dir) / cfg.name)
+        if note and os.environ.get("RANK", "0") == "0":  # said once under torchrun
+            print(note)
     apply_safe_env(cache, cudagraphs=cfg.compile.mode == "reduce-overhead")
 
 

@@ -8,7 +8,11 @@ restarts"), two things made warm starts slow on torch 2.11:
 - coordinate-descent tuning ran again for kernels whose tuned config was cached
   (pytorch/pytorch#172819, fixed upstream after 2.11; `patch_coordesc_recheck` backports it);
 - the training graph bypassed the AOTAutograd cache because it holds custom
-  autograd.Functions (ours: fused_gelu, fused_ce), which torch does not cache unless told."""
+  autograd.Functions (ours: fused_gelu, fused_ce), which torch does not cache unless told.
+
+The artifacts file is signed (pytrain.train.signing): loading it writes cache entries that
+Inductor later unpickles and imports (and whose keys are paths), so one from a run directory
+someone else wrote is skipped with one line and the run compiles afresh."""
 
 from __future__ import annotations
 
@@ -19,7 +23,10 @@ from pathlib import Path
 
 import torch
 
-from pytrain.train import disk
+from pytrain.train import disk, signing
+
+ARTIFACTS = "compile artifacts"
+"""What the artifacts file's signature is for (signing.sign's `purpose`)."""
 
 
 def enable_warm_caches() -> list[str]:
@@ -136,10 +143,15 @@ def save_artifacts(path) -> bool:
     if not got:
         return False
     p = Path(path)
+    try:
+        signed = signing.sign(got[0], ARTIFACTS)
+    except signing.NoKey as e:
+        print(f"warning: compile cache artifacts not saved to {p}: {e}; the next start compiles from scratch")  # fmt: skip
+        return False
     tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
     try:  # atomic: a restart never loads half a file
         p.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_bytes(got[0])
+        tmp.write_bytes(signed)
         os.replace(tmp, p)
     except OSError as e:
         tmp.unlink(missing_ok=True)
@@ -169,10 +181,19 @@ def phase_table() -> str:
 
 
 def load_artifacts(path) -> bool:
+    """Loads the artifacts `save_artifacts` wrote with this user's key into Inductor's caches;
+    False (and one line, said by rank 0) for a file it did not sign, or where none loads."""
     p = Path(path)
     if not p.exists():
         return False
     try:
-        return torch.compiler.load_cache_artifacts(p.read_bytes()) is not None
-    except Exception:  # a stale or foreign cache only costs a normal compile
+        data = signing.unsign(p.read_bytes(), ARTIFACTS)
+    except (signing.NotTrusted, signing.NoKey) as e:
+        if os.environ.get("RANK", "0") == "0":  # every rank skips it: one says so
+            print(f"compile cache artifacts {p} skipped: {e}; loading them could run code "
+                  "this user did not write, so the run compiles afresh")  # fmt: skip
+        return False
+    try:
+        return torch.compiler.load_cache_artifacts(data) is not None
+    except Exception:  # a stale cache only costs a normal compile
         return False

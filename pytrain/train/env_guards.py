@@ -4,12 +4,18 @@ On H100s with recent torch, Triton autotuning has failed with "CUDA error: inval
 argument" and CUDA graphs with activation checkpointing have crashed; the fix that
 worked was to switch autotuning and CUDA graphs off through the environment before
 `import torch`. `python -m pytrain.train` applies these (unless `--compile.safe_env=false`)
-before it imports anything that imports torch. A variable the user already set wins."""
+before it imports anything that imports torch. A variable the user already set wins.
+
+The Inductor cache it names by default lives in the run directory; `run_inductor_cache`
+decides whether that one may be used (see there)."""
 
 from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
+
+from pytrain.train import signing
 
 SAFE_INDUCTOR_ENV = {
     "TORCHINDUCTOR_MAX_AUTOTUNE": "0",
@@ -43,3 +49,46 @@ def apply_safe_env(cache_dir: str | None = None, cudagraphs: bool = False) -> di
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", cache_dir)
         applied["TORCHINDUCTOR_CACHE_DIR"] = os.environ["TORCHINDUCTOR_CACHE_DIR"]
     return applied
+
+
+INDUCTOR_CACHE = "inductor-cache"
+"""The run's Inductor cache, a directory of the run directory (warm restarts of the run)."""
+
+
+def run_inductor_cache(run_dir: Path) -> tuple[str | None, str | None]:
+    """(the run's Inductor cache directory or None, a line saying why not).
+
+    Inductor loads its cache entries itself: pickles (compiled graphs, AOTAutograd's
+    results) and Python modules of kernels, which it imports. Nothing of ours stands between
+    an entry and its loading, so entries cannot be checked one by one; the directory is.
+    The trainer signs the directory when it makes it (signing.stamp_dir: its path and inode
+    under this user's key), and points Inductor at a directory it signed, or at one it makes
+    now (none there yet, or an empty one). A run directory copied from someone else (or a
+    cache put there by another hand) has no signature of this user's: Inductor then uses
+    its own default cache outside the run directory (None here) and the line says so; the
+    run compiles afresh. Under torchrun every rank decides alike: a fresh directory is
+    signed with the same stamp by whichever rank comes first."""
+    d = Path(run_dir) / INDUCTOR_CACHE
+    try:
+        if any(not signing.is_stamp(p.name) for p in _entries(d)):
+            signing.check_dir(d, INDUCTOR_CACHE)
+        else:  # nothing in it that could be loaded: ours from now on
+            d.mkdir(parents=True, exist_ok=True)
+            signing.stamp_dir(d, INDUCTOR_CACHE)
+        return str(d), None
+    except signing.NotTrusted as e:
+        return None, (
+            f"Inductor cache {d} not used: {e}, and its entries could run code this user did "
+            "not write; Inductor uses its default cache (remove the directory for the run to "
+            "keep a cache of its own again)"
+        )
+    except (signing.NoKey, OSError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else e
+        return None, f"Inductor cache {d} not used: {why}; Inductor uses its default cache"
+
+
+def _entries(d: Path) -> list[Path]:
+    try:
+        return list(d.iterdir())
+    except FileNotFoundError:
+        return []
