@@ -1,10 +1,11 @@
-"""Faults a week-long run meets: SIGKILL at random points (checkpoint writes included),
-corrupt frames skipped on request, odd input to pack-shards, and a loader that neither
-leaks nor overwrites under many epochs and state reloads."""
+"""Faults a week-long run meets: SIGKILL at random points (checkpoint writes included), a
+stop during set-up, corrupt frames skipped on request, odd input to pack-shards, and a
+loader that neither leaks nor overwrites under many epochs and state reloads."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +47,73 @@ def test_sigkill_at_random_points_then_resume_matches_uninterrupted(small_corpus
     assert got == want  # every step's loss, bit for bit (as printed)
     ckpt = f"ckpt-{steps:08d}.pt"
     assert same_final_params(tmp_path / "ref" / "k" / ckpt, tmp_path / "killed" / "k" / ckpt)
+
+
+_SLOW_SET_UP = """
+import sys, time
+from pytrain.train import run_state, trainer
+phase = sys.argv.pop(1)
+def slowed(real):
+    def slow(*a, **k):
+        print("in set-up:", phase, file=sys.stderr, flush=True)
+        time.sleep(5)
+        return real(*a, **k)
+    return slow
+if phase == "resume":
+    run_state.resume = slowed(run_state.resume)
+else:
+    trainer.Trainer.warm_up = slowed(trainer.Trainer.warm_up)
+from pytrain.train.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "phase,sig", [("resume", signal.SIGTERM), ("warm_up", signal.SIGINT)], ids=["resume", "warm_up"]
+)
+def test_a_signal_during_set_up_ends_the_run_before_its_first_step_in_one_line(
+    small_corpus, tmp_path, phase, sig
+):
+    """A scheduler's SIGTERM (or a Ctrl-C) while the run resumes or compiles: exit 128 + the
+    signal, one line, no traceback; the run directory as it was, its lock free."""
+    from test_run_safety import ENV, step_losses, train_cmd
+
+    from pytrain.train import checkpoint
+    from pytrain.train.run_lock import RunLock
+
+    cmd = train_cmd(small_corpus, tmp_path, "setup", "--max_steps", "6", "--ckpt_every", "2")
+    first = subprocess.run([*cmd, "--halt_after", "2"], capture_output=True, text=True,
+                           env=ENV, timeout=300)  # fmt: skip
+    assert first.returncode == 0, first.stderr[-3000:]
+    run = tmp_path / "runs" / "setup"
+    ckpt = run / "ckpt-00000002.pt"
+    before = {p.name: p.read_bytes() for p in run.glob("ckpt-*")}
+    assert list(before) == [ckpt.name]
+    # Set-up made slow where `phase` starts (the wrapper says when it is there).
+    p = subprocess.Popen([sys.executable, "-c", _SLOW_SET_UP, phase, *cmd[3:]], env=ENV,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    assert p.stderr is not None
+    while not (line := p.stderr.readline()).startswith("in set-up:"):
+        assert line, p.communicate()  # it ended before getting there
+    p.send_signal(sig)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 128 + sig, (p.returncode, out[-2000:], err[-3000:])
+    assert err.strip().splitlines() == [
+        f"pytrain.train: stopped by {sig.name} during set-up, before the first step: nothing "
+        "to save; run the same command to continue"
+    ], err[-3000:]
+    assert "Traceback" not in out + err and "stopped at step" not in out
+    # Nothing written is lost or added: the same checkpoint, no temporary; the lock is free.
+    assert {p.name: p.read_bytes() for p in run.glob("*ckpt-*")} == before
+    lock = RunLock(run)
+    lock.acquire()
+    lock.release()
+    r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resumed from {ckpt} at step 2" in r.stdout
+    assert sorted(step_losses(run)) == list(range(1, 7))
+    assert checkpoint.read(checkpoint.list_checkpoints(run)[-1])["step"] == 6
 
 
 def test_skip_corrupt_frames_counts_them_and_delivers_the_rest(tmp_path):

@@ -16,6 +16,10 @@ import re
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pytrain.train.stopping import StopSignals
 
 START_LINE = re.compile(
     r"\| attention (?P<attention>\S+) \| output layer (?P<output_layer>\S+) "
@@ -69,19 +73,29 @@ EXIT_OUT_OF_MEMORY = 5
 """The GPU's (or the host's) memory ran out: the line names the settings that lower it."""
 # Stopped by a signal after writing a checkpoint: 128 + the signal's number (SIGINT 130,
 # SIGTERM 143, SIGUSR1 138; pytrain.train.stopping). A second SIGINT: 130, no checkpoint.
+# Stopped by one during set-up, before the first step: the same codes, nothing to save.
 
 
 def main(argv: list[str] | None = None) -> int:
     """Runs training and returns one of the exit codes above. A user error prints one
     line naming what is wrong, as does a full disk; anything else is a bug or a system
     failure and keeps its traceback."""
+    from pytrain.train.stopping import StoppedInSetUp, StopSignals, exit_code
+
+    # First of all: a scheduler's SIGTERM during set-up (imports, resume, the compile
+    # warm-up) ends the run with its line and exit code, not by the default action.
+    stop = StopSignals()
+    stop.install()
     from pytrain._loader import LoaderError
     from pytrain.config import ConfigError
     from pytrain.train.disk import DiskFull
     from pytrain.train.out_of_memory import OutOfMemory
 
     try:
-        return _main(argv)
+        return _main(argv, stop)
+    except StoppedInSetUp as e:
+        print(f"pytrain.train: {e}", file=sys.stderr)
+        return exit_code(e.signal)
     except (ConfigError, LoaderError) as e:
         print(f"pytrain.train: error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
@@ -111,9 +125,11 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 130
+    finally:
+        stop.restore()
 
 
-def _main(argv: list[str] | None) -> int:
+def _main(argv: list[str] | None, stop: StopSignals) -> int:
     from pytrain.config import parse_args
 
     cfg = parse_args(argv)
@@ -122,13 +138,14 @@ def _main(argv: list[str] | None) -> int:
     from pytrain.train.guard import TrainingStopped
     from pytrain.train.out_of_memory import explained
     from pytrain.train.report import final_report
+    from pytrain.train.stopping import StoppedInSetUp
     from pytrain.train.trainer import Trainer
 
     t0 = time.perf_counter()
     if not cfg.data.path and not cfg.data.mix:  # a mixture names its own datasets
         use_default_dataset(cfg)
     with explained(cfg):
-        trainer = Trainer(cfg)
+        trainer = Trainer(cfg, stop=stop)
     if trainer.dist.is_main:
         from pytrain.train.sources import keep_tokenizer
 
@@ -158,6 +175,9 @@ def _main(argv: list[str] | None) -> int:
         trainer.say(f"training stopped: {e}")
         trainer.close()
         return EXIT_BAD_STEPS
+    except StoppedInSetUp:  # said by main; the run directory is left as it was
+        trainer.close()
+        raise
     if signal := result["stopped_by"]:
         from pytrain.train.checkpoint import list_checkpoints
         from pytrain.train.stopping import exit_code

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from collections.abc import Callable
 
 HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
@@ -25,11 +26,22 @@ def exit_code(name: str) -> int:
     return 128 + int(signal.Signals[name])
 
 
+class StoppedInSetUp(Exception):
+    """A stop asked for before the first step (the run has nothing to save)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"stopped by {name} during set-up, before the first step: nothing "
+                         "to save; run the same command to continue")  # fmt: skip
+        self.signal = name
+
+
 class StopSignals:
     """Records the first of HANDLED while installed; the loop reads `requested`."""
 
     def __init__(self) -> None:
         self.received: str | None = None
+        self.looping = False
+        """Whether the loop runs (a signal then finishes its step), else set-up does."""
         self._previous: dict[int, object] = {}
 
     @property
@@ -50,10 +62,20 @@ class StopSignals:
             self.received = signal.Signals(mean).name if mean in HANDLED else "SIGTERM"
         return True
 
+    def check_set_up(self, sums: Callable[[list], list[float]], looping: bool = False) -> None:
+        """Raises StoppedInSetUp on every rank if any rank was asked to stop; `looping`: the
+        loop starts next (a signal from now on finishes the step it comes in). `sums`: the
+        sums over ranks of a list of numbers, a collective (every rank calls this at the
+        same points of set-up)."""
+        self.looping = looping  # before the check: a signal after it is the loop's
+        if self.agreed(*sums(list(self.vote()))):
+            assert self.received is not None
+            raise StoppedInSetUp(self.received)
+
     def install(self) -> None:
         # Python runs signal handlers on the main thread only, and only it may set them.
-        if threading.current_thread() is not threading.main_thread():
-            return
+        if threading.current_thread() is not threading.main_thread() or self._previous:
+            return  # installed already (by the CLI, at its start)
         for s in HANDLED:
             self._previous[s] = signal.signal(s, self._on_signal)
 
@@ -66,6 +88,8 @@ class StopSignals:
         name = signal.Signals(signum).name
         if self.received is None:
             self.received = name
+            if not self.looping:  # said once set-up ends, by StoppedInSetUp's line
+                return
             # os.write, not print: the main thread may be inside a print of its own.
             os.write(2, (
                 f"{name} received: finishing this step and writing a checkpoint "

@@ -41,7 +41,7 @@ from pytrain.train.metrics import (
     flops_per_token,
     log_mixture,
     peak_flops,
-)  # fmt: skip
+)
 from pytrain.train.precision import choose_precision
 from pytrain.train.profiling import StepProfiler
 from pytrain.train.stopping import StopSignals
@@ -52,8 +52,9 @@ class Trainer:
     feed, evaluation, checkpoints and logs. Each part lives in its own module; this one
     builds them and runs `fit`."""
 
-    def __init__(self, cfg: TrainConfig, log=print):
+    def __init__(self, cfg: TrainConfig, log=print, stop: StopSignals | None = None):
         self.cfg = cfg
+        self.stop = stop or StopSignals()  # the CLI's, installed since it started
         self.dist, self.device = distributed.init(cfg.device, cfg.dist_init_timeout_s)
         self.say = log if self.dist.is_main else (lambda *a, **k: None)
         self.run_dir = Path(cfg.out_dir) / cfg.name
@@ -85,7 +86,6 @@ class Trainer:
         self.ckpt_writer = (
             sharded_checkpoint.ShardedWriter() if self.sharded else checkpoint.AsyncWriter()
         )
-        self.stop = StopSignals()
         run_state.resume(self)
         per_ckpt = disk.checkpoint_estimate(self.gpt, self.optimizer, self.master)
         if self.dist.is_main and (note := disk.space_note(self.run_dir, per_ckpt, cfg.keep_ckpts)):
@@ -188,10 +188,7 @@ class Trainer:
         np.random.seed(seed)
         torch.manual_seed(seed)
 
-    # ---- checkpoints (pytrain.train.run_state) ----------------------------------------
-    def save_checkpoint(self) -> None:
-        run_state.save(self)
-
+    # ---- checkpoints (written by pytrain.train.run_state.save) -------------------------
     def finish_checkpoints(self) -> None:
         """Waits for a checkpoint being written (and raises its error, if any)."""
         self.ckpt_writer.wait()
@@ -356,8 +353,11 @@ class Trainer:
         t_start = time.perf_counter()
         first_step = self.step
         self.stopped_by: str | None = None
-        self.stop.install()
+        sums = lambda xs: distributed.all_sums(xs, self.dist, self.device)  # noqa: E731
+        self.stop.install()  # (the CLI's are, since it started)
+        self.stop.check_set_up(sums)  # asked to stop in set-up or resume: nothing to save
         self.warm_up()
+        self.stop.check_set_up(sums, looping=True)  # ... or in the compile warm-up
         cpu = CpuClock()  # after the compile warm-up: the loop's CPU time
         if note := distributed.set_timeout(self.dist, cfg.dist_timeout_s):  # a dead peer ends it
             self.say(note)
@@ -406,7 +406,7 @@ class Trainer:
                 self.steplog.eval(self.step, val)
                 t_mark = time.perf_counter()  # evaluation is not step time
             if ckpt_due:
-                self.save_checkpoint()
+                run_state.save(self)
                 t_mark = time.perf_counter()
             if time_up:
                 self.say(f"time limit of {cfg.time_limit_s:.0f}s reached at step {self.step}")
@@ -421,7 +421,7 @@ class Trainer:
             val = self.evaluate()
             self.steplog.eval(self.step, val)
         if not (cfg.ckpt_every and self.step % cfg.ckpt_every == 0):
-            self.save_checkpoint()
+            run_state.save(self)
         self.finish_checkpoints()  # the run's last checkpoint is on disk when fit returns
         graphs, warning = self.compiler.summary(check_recompiles=not self.dist.enabled)
         if warning:
