@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import pickle
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from test_run_safety import ENV, _Planted, one_line_error, step_losses, train_cmd
+from test_run_safety import ENV, _Planted, children, one_line_error, step_losses, train_cmd
 
 from pytrain.train import checkpoint, sharded_checkpoint
 
@@ -128,6 +131,65 @@ def test_a_sharded_checkpoint_write_that_runs_out_of_space(small_corpus, tmp_pat
     assert [c.name for c in checkpoint.list_checkpoints(run)] == ["ckpt-00000002"]
     assert not list(run.glob(".ckpt-*"))  # no partial directory
     assert checkpoint.read(run / "ckpt-00000002")["step"] == 2
+
+
+@pytest.mark.slow
+def test_a_sharded_write_killed_midway_leaves_a_directory_the_next_start_removes(
+    small_corpus, tmp_path
+):
+    """SIGKILL (an out-of-memory kill, a node lost) while ranks write their shards leaves the
+    write's temporary directory; the next start of the run removes it, and only it."""
+    run = tmp_path / "runs" / "killed"
+    cmd = train_cmd(small_corpus, tmp_path, "killed", "--max_steps", "40", "--fsdp",
+                    "--ckpt_every", "2", torchrun=2)  # fmt: skip
+    at = cmd.index("pytrain.train")
+    cmd[at - 1 : at + 1] = [str(ROOT / "tests" / "dcp_stall_worker.py")]
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=ENV)
+    unfinished = run / ".ckpt-00000004.tmp"
+    try:
+        t0 = time.monotonic()
+        while not list(unfinished.glob("*.distcp")):  # the shards are being written
+            assert p.poll() is None, p.communicate()[1][-3000:]
+            assert time.monotonic() - t0 < 240, "no write of step 4's checkpoint began"
+            time.sleep(0.05)
+    finally:
+        if p.poll() is None:  # both ranks (each in a session of its own), then torchrun
+            for pid in [*children(p.pid), p.pid]:
+                os.kill(pid, signal.SIGKILL)
+        p.communicate()
+    assert unfinished.is_dir()  # what the killed write left
+    assert [c.name for c in checkpoint.list_checkpoints(run)] == ["ckpt-00000002"]
+    alike = [run / ".ckpt-notes.tmp", run / ".ckpt-00000006.tmp.keep"]  # not the writer's names
+    for d in alike:
+        d.mkdir()
+    out = _leg(small_corpus, tmp_path, "killed", 2, "--fsdp", "--halt_after", "1")
+    assert f"resumed from {run / 'ckpt-00000002'} at step 2" in out, out[-2000:]
+    assert not unfinished.exists()
+    assert all(d.is_dir() for d in alike)
+    assert [c.name for c in checkpoint.list_checkpoints(run)] == ["ckpt-00000002", "ckpt-00000003"]
+
+
+def test_only_the_sharded_writers_unfinished_directories_are_removed(tmp_path):
+    ours = [tmp_path / ".ckpt-00000004.tmp", tmp_path / ".ckpt-00000010.tmp"]
+    others = [
+        tmp_path / ".ckpt-4.tmp",
+        tmp_path / "ckpt-00000004",
+        tmp_path / ".ckpt-00000004.tmpx",
+    ]
+    for d in ours + others:
+        d.mkdir()
+    (ours[0] / "__0_0.distcp").write_bytes(b"part of a shard")
+    single = tmp_path / ".ckpt-00000004.pt.tmp-123"  # a single-file write's (checkpoint.save's)
+    single.write_bytes(b"x")
+    (tmp_path / "elsewhere").mkdir()
+    link = tmp_path / ".ckpt-00000008.tmp"  # a link named as ours: what it points to is not
+    link.symlink_to(tmp_path / "elsewhere")
+    sharded_checkpoint.remove_unfinished(tmp_path, is_main=False)  # rank 0 removes them
+    assert all(d.exists() for d in ours)
+    sharded_checkpoint.remove_unfinished(tmp_path, is_main=True)
+    assert not any(d.exists() for d in ours)
+    assert all(d.is_dir() for d in others) and single.exists() and link.is_symlink()
+    assert (tmp_path / "elsewhere").is_dir()
 
 
 def test_the_metadata_unpickler_rebuilds_dcp_classes_and_refuses_their_modules_functions():

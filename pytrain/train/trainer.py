@@ -60,6 +60,7 @@ class Trainer:
         self.run_dir = Path(cfg.out_dir) / cfg.name
         self.run_lock = run_lock.take(self.run_dir, self.dist, self.device)
         try:  # a run that fails to start leaves its directory to the next one
+            sharded_checkpoint.remove_unfinished(self.run_dir, self.dist.is_main)
             self._build()
         except BaseException:
             self.run_lock.release()
