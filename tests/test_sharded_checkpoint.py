@@ -153,7 +153,7 @@ def test_a_sharded_write_killed_midway_leaves_a_directory_the_next_start_removes
             assert time.monotonic() - t0 < 240, "no write of step 4's checkpoint began"
             time.sleep(0.05)
     finally:
-        if p.poll() is None:  # both ranks (each in a session of its own), then torchrun
+        if p.poll() is None:  # both ranks (each started with start_new_session), then torchrun
             for pid in [*children(p.pid), p.pid]:
                 os.kill(pid, signal.SIGKILL)
         p.communicate()

@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # (pytest's fixture scope, an AWS SSO session, a requests session object).
 ORGANISATION_WORDS = {
     "a session": re.compile(
-        r"(?<!scope=\")(?<!scope=')(?<!SSO )(?<!sso )(?<!\.)\bsessions?\b(?![_(=]|\.\w)", re.IGNORECASE
+        r"(?<!scope=\")(?<!scope=')(?<!SSO )(?<!sso )(?<!\.)\bsessions?\b(?![_(=]|\.\w)",
+        re.IGNORECASE,
     ),
     "lent or leased": re.compile(r"\b(?:lent|leas(?:e|es|ed|ing))\b", re.IGNORECASE),
     "a machine by how it was obtained": re.compile(r"\bnvidia-h[12]00(?:-x\d)?\b", re.IGNORECASE),
@@ -63,3 +64,46 @@ def test_the_organisation_words_are_found_and_the_projects_own_are_not():
         "lenticular",
     ]:
         assert not organisation_words(line), line
+
+
+def _benchmarks_headings() -> tuple[set[str], set[str]]:
+    """BENCHMARKS.md's section titles and their GitHub anchors."""
+    titles = set()
+    for line in (ROOT / "BENCHMARKS.md").read_text().splitlines():
+        if m := re.match(r"#{2,4} (.+)", line):
+            titles.add(m.group(1).strip())
+    anchors = {re.sub(r"[^\w\- ]", "", t.lower()).replace(" ", "-") for t in titles}
+    return titles, anchors
+
+
+# A section named after "BENCHMARKS.md": as a link's anchor, or quoted ("Title" may wrap to the
+# next line: the quote then closes there).
+CITED_ANCHOR = re.compile(r"BENCHMARKS\.md#([\w-]+)")
+CITED_TITLE = re.compile(r'BENCHMARKS\.md(?:, | \()"([^"]+)"')
+
+
+def test_every_section_of_benchmarks_that_is_cited_exists():
+    titles, anchors = _benchmarks_headings()
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout
+    missing = []
+    for name in files.split():
+        path = ROOT / name
+        if (
+            path.suffix not in TEXT_SUFFIXES
+            or not path.is_file()
+            or name == "tests/test_wording.py"
+        ):
+            continue
+        text = path.read_text(errors="replace")
+        for m in CITED_ANCHOR.finditer(text):
+            if m.group(1) not in anchors:
+                missing.append(f"{name}: #{m.group(1)}")
+        for m in CITED_TITLE.finditer(text):
+            title = " ".join(m.group(1).split())  # a title wrapped over two lines
+            if title not in titles:
+                missing.append(f'{name}: "{title}"')
+    assert not missing, "BENCHMARKS.md has no such section:\n" + "\n".join(missing)
+    # The patterns find both forms (a title wrapped over two lines too).
+    assert CITED_ANCHOR.search("[x](BENCHMARKS.md#loader)").group(1) == "loader"
+    assert CITED_TITLE.search('(BENCHMARKS.md, "Warm\n  restarts")').group(1) == "Warm\n  restarts"
+    assert "gpt-2-124m-against-nanogpt" in anchors and "GPT-2 124M against nanoGPT" in titles

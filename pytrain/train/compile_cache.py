@@ -3,7 +3,7 @@ the run directory, two caches of torch made to hit where they would miss, and th
 where a warm-up's seconds went.
 
 A restart (a requeued job, a resume) with a warm cache should cost seconds, not the minute
-of a cold compile. Measured on the GPT-2 preset (BENCHMARKS.md, "Interrupted runs and warm
+of a cold compile. Measured on the GPT-2 preset (BENCHMARKS.md, "Warm
 restarts"), two things made warm starts slow on torch 2.11:
 - coordinate-descent tuning ran again for kernels whose tuned config was cached
   (pytorch/pytorch#172819, fixed upstream after 2.11; `patch_coordesc_recheck` backports it);

@@ -30,8 +30,8 @@ at start-up and said in one line, and the wrapping itself.
 `--fsdp` asks for FSDP2, `--no-fsdp` for the replicated kinds; by default (auto) FSDP2 is
 used when the model's training state would take more than a quarter of one GPU's memory,
 where sharding it is what lets the model train, and otherwise not: for a model that fits,
-FSDP2's per-block gathers cost more than they save (BENCHMARKS.md, "Scaling over GPUs of
-one host")."""
+FSDP2's per-block gathers cost more than they save (BENCHMARKS.md, "Scaling
+over GPUs")."""
 
 from __future__ import annotations
 
@@ -54,8 +54,8 @@ AUTO_FSDP_SHARE = 0.25
 
 FSDP2_VS_REPLICAS = "0.54x"
 """FSDP2's tokens/s against replicas for the GPT-2 124M preset as shipped on 2 H100s of one
-host, FSDP2 as it runs (without CUDA graphs), 2026-11-25 (BENCHMARKS.md, "Two GPUs as fast
-as one"); said in the start-up line."""
+host, FSDP2 as it runs (without CUDA graphs), 2026-11-25 (BENCHMARKS.md, "Scaling
+over GPUs"); said in the start-up line."""
 
 
 @dataclass
