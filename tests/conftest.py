@@ -3,8 +3,10 @@ whose token ids say which document and position they came from."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import socket
 import subprocess
 import sysconfig
 from pathlib import Path
@@ -16,6 +18,36 @@ from pytrain.data.shards import PackOptions, document_batches, write_dataset
 from pytrain.data.tokenizer import TokenizerInfo, train_bpe
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
+
+# Under pytest-xdist (`make test`) several workers share the cores: one torch thread each, and
+# in the processes the tests start, which inherit it (torch's default, a thread per core in
+# every process, puts several times more threads than cores to work).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def _free_ports():
+    """A fresh port per torchrun or TCPStore: below the OS's ephemeral range (where a client
+    connection could take a port between our check and torchrun's bind), skipping ports in
+    use. Each pytest-xdist worker takes its own slice of the range, so that two workers never
+    hand out one port, from a PID-dependent start within it so that concurrent test runs
+    rarely meet."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    size = 12000 // workers
+    low = 20000 + worker * size
+    start = low + os.getpid() % (size // 10) * 10
+    for port in [*range(start, low + size), *range(low, start)]:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        yield port
+
+
+PORTS = _free_ports()
+"""Ports for the tests' torchrun agents and stores: `next(PORTS)`."""
 
 
 def _slurm_up() -> bool:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import losses_by_step
+from conftest import PORTS, losses_by_step
 from test_trainer import small_cfg
 
 from pytrain.data import DeviceBatch, TokenLoader, token_ids
@@ -35,7 +35,7 @@ def test_two_process_gloo_matches_single_process(small_corpus, tmp_path, wrapper
     # bf16 replicas: each rank's bf16 gradients summed in fp32, the sums all-reduced once.
     bf16 = ["--precision", "bf16", "--optim.master_weights", "on"]
     flags = {"ddp": [], "fsdp2": ["--fsdp"], "replicas": bf16}[wrapper]
-    port = {"ddp": "29533", "fsdp2": "29534", "replicas": "29535"}[wrapper]
+    port = next(PORTS)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
            str(Path(__file__).parent / "ddp_worker.py"), str(tmp_path), *cfg_args(small_corpus, tmp_path), *flags]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
@@ -109,11 +109,11 @@ def torchrun_train(small_corpus, tmp_path, name: str, port: int, *flags: str) ->
 def test_fsdp2_checkpoint_resumes_exactly(small_corpus, tmp_path):
     # A resumed 2-rank FSDP2 run continues with the losses of an uninterrupted one, bit for
     # bit, and ends with the same weights.
-    whole = losses_by_step(torchrun_train(small_corpus, tmp_path, "whole", 29535))
-    torchrun_train(small_corpus, tmp_path, "cut", 29536, "--halt_after", "3")
+    whole = losses_by_step(torchrun_train(small_corpus, tmp_path, "whole", next(PORTS)))
+    torchrun_train(small_corpus, tmp_path, "cut", next(PORTS), "--halt_after", "3")
     ckpts = sorted((tmp_path / "runs" / "cut").glob("ckpt-*"))
     assert ckpts, "the halted run wrote no checkpoint"
-    resumed = losses_by_step(torchrun_train(small_corpus, tmp_path, "cut", 29537))
+    resumed = losses_by_step(torchrun_train(small_corpus, tmp_path, "cut", next(PORTS)))
     assert len(whole) == 6 and set(resumed) >= {4, 5, 6}
     for step in (4, 5, 6):
         assert resumed[step] == whole[step], (step, resumed[step], whole[step])
@@ -157,7 +157,6 @@ def test_training_resumes_on_another_number_of_processes(
         "fsdp2": ["--fsdp"],
         "replicas": ["--precision", "bf16", "--optim.master_weights", "on"],
     }
-    port = 29540 + after + 3 * mix + {"ddp": 0, "fsdp2": 40, "replicas": 70}[wrapper]
     train, val = small_corpus
     data = ["--data.mix", f"a={train}:0.7", f"b={val}:0.3"] if mix else ["--data.path", str(train)]
     args = [
@@ -169,7 +168,7 @@ def test_training_resumes_on_another_number_of_processes(
     ]  # fmt: skip
     _torchrun(
         2,
-        port,
+        next(PORTS),
         "elastic_worker.py",
         str(tmp_path),
         "first",
@@ -179,7 +178,7 @@ def test_training_resumes_on_another_number_of_processes(
     )
     log = _torchrun(
         after,
-        port + 10,
+        next(PORTS),
         "elastic_worker.py",
         str(tmp_path),
         "second",
@@ -221,12 +220,14 @@ def test_muon_under_ddp_keeps_ranks_equal_and_resumes_on_one_process(small_corpu
         "--optim.grad_accum", "2", "--optim.name", "muon", "--eval_every", "0", "--ckpt_every", "0",
         "--samples", "0", "--no-tensorboard", "--no-progress", "--no-compile.safe_env",
     ]  # fmt: skip
-    _torchrun(2, 29571, "elastic_worker.py", str(tmp_path), "first", *args, "--halt_after", "3")
+    _torchrun(
+        2, next(PORTS), "elastic_worker.py", str(tmp_path), "first", *args, "--halt_after", "3"
+    )
     a, b = (torch.load(tmp_path / f"first-rank{r}.pt", weights_only=False) for r in (0, 1))
     assert a["step"] == b["step"] == 3
     for name, p in a["params"].items():
         torch.testing.assert_close(p, b["params"][name], rtol=0, atol=0)
-    log = _torchrun(1, 29572, "elastic_worker.py", str(tmp_path), "second", *args)
+    log = _torchrun(1, next(PORTS), "elastic_worker.py", str(tmp_path), "second", *args)
     assert "resuming a run saved on 2 rank(s) on 1" in log
     c = torch.load(tmp_path / "second-rank0.pt", weights_only=False)
     assert c["step"] == 4
@@ -242,7 +243,7 @@ def test_an_fsdp2_checkpoint_exports_to_transformers(small_corpus, tmp_path):
 
     args = [*cfg_args(small_corpus, tmp_path), "--fsdp", "--name", "fsdp", "--max_steps", "2",
             "--eval_every", "0", "--ckpt_every", "0", "--samples", "0"]  # fmt: skip
-    _torchrun(2, 29561, "elastic_worker.py", str(tmp_path), "fsdp", *args)
+    _torchrun(2, next(PORTS), "elastic_worker.py", str(tmp_path), "fsdp", *args)
     out = export(tmp_path / "runs" / "fsdp", tmp_path / "hf")
     model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     ours = load(tmp_path / "runs" / "fsdp").gpt

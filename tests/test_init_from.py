@@ -178,12 +178,13 @@ def test_fsdp2_ranks_start_from_the_source(small_corpus, tmp_path):
     """Two gloo ranks under FSDP2 (torchrun): each shards the source's weights. One step at
     a learning rate of 1e-12 leaves them as they were, so the run's export gives
     transformers' logits of the source."""
+    from conftest import PORTS
     from test_ddp import torchrun_train
 
     from pytrain.export import export
 
     hf, path = llama_dir(tmp_path)
-    torchrun_train(small_corpus, tmp_path, "fsdp", 29613, "--init_from", str(path),
+    torchrun_train(small_corpus, tmp_path, "fsdp", next(PORTS), "--init_from", str(path),
                    "--max_steps", "1", "--optim.lr", "1e-12", "--optim.warmup_steps", "0")  # fmt: skip
     out = export(tmp_path / "runs" / "fsdp", tmp_path / "hf")
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(5))

@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import losses_by_step
+from conftest import PORTS, losses_by_step
 from test_ddp import assert_same_weights, cfg_args
 
 from pytrain.train import checkpoint, disk
@@ -29,22 +28,7 @@ from pytrain.train.run_lock import RunDirInUse, RunLock
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
-
-def _free_ports():
-    """A fresh port per torchrun: below the OS's ephemeral range (where a client connection
-    could take a port between our check and torchrun's bind), skipping ports in use, from a
-    PID-dependent start so that concurrent test runs rarely meet."""
-    start = 20000 + os.getpid() % 1000 * 10
-    for port in [*range(start, 32000), *range(20000, start)]:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        yield port
-
-
-_ports = _free_ports()
+_ports = PORTS  # test_elastic and test_hsdp import it from here
 
 
 def train_cmd(
