@@ -155,3 +155,9 @@ def losses_by_step(log: str) -> dict[int, float]:
     from pytrain.train.metrics import read_step_lines  # imports torch: only where used
 
     return {int(row["step"]): row["loss"] for row in read_step_lines(log)}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The slow tests first (each in the order found): run in parallel, the short ones then
+    fill the workers' ends, where a long test started last would run on alone."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -80,6 +80,7 @@ def test_the_backport_patches_only_a_torch_with_the_bug():
     assert compile_cache.patch_coordesc_recheck() is False  # never twice
 
 
+@pytest.mark.slow  # Inductor compiles C++, twice
 @pytest.mark.skipif(sys.platform != "linux", reason="Inductor's CPU backend needs a C++ compiler")
 def test_a_graph_with_our_autograd_functions_is_saved_to_the_aot_autograd_cache(tmp_path):
     """Without enable_warm_caches the training graph (fused GELU, fused CE are

@@ -85,6 +85,7 @@ def test_toml_rejects_unknown_keys_and_non_boolean_values(tmp_path):
         apply_toml(TrainConfig(), bad)
 
 
+@pytest.mark.slow  # two processes importing torch
 def test_env_guards_are_set_before_torch_is_imported(tmp_path):
     # The entry point parses flags and sets the guards without importing torch first.
     code = (

@@ -127,6 +127,7 @@ def bad_sources(tmp_path):
     }  # fmt: skip
 
 
+@pytest.mark.slow
 def test_sources_it_cannot_take_are_one_line_each(small_corpus, tmp_path):
     for path, message in bad_sources(tmp_path).items():
         with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

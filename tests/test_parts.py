@@ -76,7 +76,7 @@ def single(corpus, bpe_tokenizer_file, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("n", [1, 3, 7, 40])
+@pytest.mark.parametrize("n", [1, 3, 7, pytest.param(40, marks=pytest.mark.slow)])
 def test_merged_parts_equal_one_pack_of_the_same_inputs(
     corpus, bpe_tokenizer_file, single, tmp_path, n
 ):
@@ -179,6 +179,7 @@ def test_parts_packed_in_one_process_share_one_warm_encoder(
     assert documents(out) == documents(single)
 
 
+@pytest.mark.slow  # starts a Ray cluster
 def test_ray_tasks_on_a_local_cluster_pack_the_parts(corpus, bpe_tokenizer_file, single, tmp_path):
     """The same parts as Ray tasks (`ray.init(num_cpus=2)`), each calling pack_part."""
     ray = pytest.importorskip("ray")

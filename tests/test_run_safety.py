@@ -488,6 +488,7 @@ def test_a_file_torch_save_did_not_write_is_refused_in_one_line(tmp_path):
 # ---- 5. out of memory -------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_run_out_of_host_memory_ends_in_one_line_naming_what_to_lower(small_corpus, tmp_path):
     """A real allocation the host refuses (the CPU attention's mask of a 1M-token row:
     931 GiB): exit 5 with one line, torch's traceback not shown. The process's address

@@ -231,6 +231,7 @@ def _train(data: str, val: str, out: Path, environ: dict) -> subprocess.Complete
     return subprocess.run(cmd, capture_output=True, text=True, env=environ, timeout=300)
 
 
+@pytest.mark.slow
 def test_training_verify_and_inspect_take_s3_urls(s3_server, small_corpus, tmp_path):
     """What a user runs on a dataset in a bucket: pack-shards verify and inspect, then the
     trainer (training and validation sets remote, samples decoded with the dataset's

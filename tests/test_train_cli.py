@@ -72,6 +72,7 @@ def test_embedded_default_trains_logs_checkpoints_and_resumes(tmp_path):
     assert "done: 70 steps" in r.stdout
 
 
+@pytest.mark.slow  # a process each, importing torch
 @pytest.mark.parametrize(
     "args, named",
     [
@@ -126,6 +127,7 @@ def test_user_errors_are_one_line_naming_the_path_or_key(tmp_path, small_corpus,
     assert len(lines) == 1 and named.format(**subst) in lines[0], r.stderr
 
 
+@pytest.mark.slow
 def test_a_validation_set_or_source_of_another_tokenizer_is_refused(tmp_path, small_corpus):
     """Ids of another tokenizer mean other tokens: a validation set packed with one gave a
     loss with no meaning, silently; a mixture's source ended in the loader's ValueError."""
@@ -159,6 +161,7 @@ def test_a_validation_set_or_source_of_another_tokenizer_is_refused(tmp_path, sm
     )
 
 
+@pytest.mark.slow
 def test_a_mixture_from_the_command_line_trains_without_the_embedded_default(
     tmp_path, small_corpus
 ):
