@@ -62,10 +62,11 @@ test-rust:
 	MAKEFLAGS= cargo test -q
 
 # In parallel (pytest-xdist): a worker more than the cores, as some tests wait on processes
-# they started (torchrun's rendezvous, a rank's timeout, a kill and a restart); worksteal: a
-# worker that runs out takes tests queued for another (tests/conftest.py queues the slow first).
+# they started (torchrun's rendezvous, a rank's timeout, a kill and a restart). Tests are
+# handed out one at a time in the order collected, the slow first (tests/conftest.py), so
+# that short ones fill the workers' ends.
 PYTEST_WORKERS ?= $(shell $(PYTHON) -c 'import os; print((os.cpu_count() or 1) + 1)')
-PYTEST = $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal
+PYTEST = $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist load --maxschedchunk 1
 test-python: setup
 	$(PYTEST) tests
 
