@@ -1,7 +1,10 @@
-"""Llama-3.2-1B's shape on one GPU, side by side with torchtitan, in one command.
+"""Llama-3.2-1B's shape on one GPU, or Llama-3.1-8B's on the GPUs of one host, side by side
+with torchtitan, in one command.
 
     PYTHONPATH=$PWD python benchmarks/titan.py --titan-site DIR [--tokenizer tokenizer.json] \
         [--text corpus.jsonl] [--seq 2048,4096] [--steps 40]
+    PYTHONPATH=$PWD python benchmarks/titan.py --titan-site DIR --shape 8b --gpus 4 \
+        --seq 8192 --rows 1 --accum 4 --steps 10
 
 DIR holds torchtitan and its dependencies as pinned in benchmarks/titan.requirements.txt
 (`pip install --no-deps --target DIR` of those wheels; the GPU hosts have no network).
@@ -13,20 +16,25 @@ Its llama3 has no 1B flavor: this script registers one with Llama-3.2-1B's shape
 layers, 32 heads, 8 KV heads, SwiGLU 8192 = ffn_dim_multiplier 1.5 at multiple_of 1024, RoPE
 theta 500000, scaling factor 32) before calling torchtitan's `main`; 0.2.2 cannot tie the
 embeddings, so its model has 262M parameters more than ours (configs/llama-1b.toml ties them,
-as Llama-3.2-1B does). Ours trains on synthetic ids at the same vocabulary (128256) through
+as Llama-3.2-1B does). --shape 8b takes its own 8B flavor (Llama-3.1-8B's shape, as
+configs/llama-8b.toml), both sides under torchrun over --gpus GPUs with FSDP2, torchtitan
+with its 8B recipe's selective activation checkpointing (per op) and ours with the preset's
+(--ours-flags changes it); its float8 runs as its recipes set them, the weights all-gathered
+in float8 with precomputed scales. Ours trains on synthetic ids at the same vocabulary (128256) through
 the real loader: tokens/s do not depend on the text.
 
 Runs, all at the same sequence length and tokens per optimizer step (`--rows` x
-`--accum` micro-batches), compiled, activation checkpointing off: ours in bf16 (`--model.float8_head
+`--accum` micro-batches on each GPU), compiled, activation checkpointing off at 1B: ours in bf16 (`--model.float8_head
 off`), as shipped (the FP8 output layer), and with `--model.float8 tensorwise` (torchao);
 torchtitan (FSDP2 on one GPU, its default) in bf16 and with its float8 converter (tensorwise)
 twice: on every linear layer, the output one included (its default), and with the output
 layer left in bf16 (`filter_fqns output`, as its llama3 recipes set it). Compared: bf16 with bf16, and each side's
 fastest run with the other's. MFU with one formula for both: 6N + 12 L H d T per token
 (N: the blocks and the output layer, the embedding lookup costing nothing; attention
-included), against 989 TFLOP/s (H100 dense bf16). Peak
-memory: torch.cuda.max_memory_reserved for both (torchtitan logs it as "memory"). Medians
-over the steps after the first third. A table is printed last.
+included), against 989 TFLOP/s (H100 dense bf16). Tokens/s per GPU (torchtitan logs its
+"tps" per GPU, ours its whole job's, divided here). Peak memory: rank 0's
+torch.cuda.max_memory_reserved for both (torchtitan logs it as "memory"). Medians over the
+steps after the first third. A table is printed last.
 
 With --quality, every run trains on real text instead (the Python sources, every 20th
 document held out; ours packed by pack-shards with the same tokenizer, so at that
@@ -41,9 +49,11 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,14 +64,15 @@ PEAK_TFLOPS = 989.0  # H100 SXM dense bf16
 RUNS = ("ours bf16", "ours preset", "ours fp8",
         "torchtitan bf16", "torchtitan fp8", "torchtitan fp8 output-bf16")  # fmt: skip
 VAL_BATCHES = 20  # --quality: validation batches of --rows rows, the same for both
-SHAPE = {
-    "n_layer": 16,
-    "d_model": 2048,
-    "n_head": 32,
-    "n_kv_head": 8,
-    "mlp_hidden": 8192,
-    "vocab": 128256,
-}
+SHAPES = {
+    "1b": {"title": "Llama-3.2-1B", "n_layer": 16, "d_model": 2048, "n_head": 32, "n_kv_head": 8,
+           "mlp_hidden": 8192, "vocab": 128256, "preset": "configs/llama-1b.toml", "titan_flavor": "1B",
+           "titan_ac": ["--activation_checkpoint.mode", "none"]},
+    "8b": {"title": "Llama-3.1-8B", "n_layer": 32, "d_model": 4096, "n_head": 32, "n_kv_head": 8,
+           "mlp_hidden": 14336, "vocab": 128256, "preset": "configs/llama-8b.toml", "titan_flavor": "8B",
+           "titan_ac": ["--activation_checkpoint.mode", "selective",
+                        "--activation_checkpoint.selective_ac_option", "op"]},
+}  # fmt: skip
 
 
 def titan_worker(argv: list[str]) -> None:
@@ -80,33 +91,34 @@ def titan_worker(argv: list[str]) -> None:
     main(Trainer)
 
 
-def flops_per_token(seq: int) -> float:
-    from pytrain.model.config import ModelConfig
+def flops_per_token(shape: dict, seq: int) -> float:
     from pytrain.train.metrics import flops_per_token as formula
 
-    cfg = ModelConfig(n_layer=16, n_head=32, n_kv_head=8, d_model=2048, mlp="swiglu", mlp_ratio=6.0,
-                      vocab_size=SHAPE["vocab"])  # fmt: skip
-    d, h = cfg.d_model, cfg.mlp_hidden
-    per_layer = d * (d + 2 * cfg.kv_heads * cfg.head_dim) + d * d + 3 * d * h + 2 * d
-    n = cfg.n_layer * per_layer + d + SHAPE["vocab"] * d  # the output layer's matmul counts
-    return formula(n, cfg.n_layer, cfg.n_head, cfg.head_dim, seq)
+    d, h, hd = shape["d_model"], shape["mlp_hidden"], shape["d_model"] // shape["n_head"]
+    per_layer = d * (d + 2 * shape["n_kv_head"] * hd) + d * d + 3 * d * h + 2 * d
+    n = shape["n_layer"] * per_layer + d + shape["vocab"] * d  # the output layer's matmul counts
+    return formula(n, shape["n_layer"], shape["n_head"], hd, seq)
+
+
+def torchrun(gpus: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(gpus)]  # fmt: skip
 
 
 def run_titan(
-    work: Path, site: Path, seq: int, rows: int, accum: int, steps: int, label: str,
-    float8: list[str] | None, val: Path | None = None,
+    work: Path, site: Path, shape: dict, gpus: int, seq: int, rows: int, accum: int, steps: int,
+    label: str, float8: list[str] | None, val: Path | None = None,
 ) -> dict:  # fmt: skip
     """torchtitan's trainer; `float8`: None for bf16, else float8 tensorwise on every linear
     layer but those named (its `filter_fqns`)."""
     corpus, tok = work / "titan-corpus", work / "titan-tokenizer"  # written by main()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-           str(Path(__file__).resolve()), "--titan-run",
-           "--model.name", "llama3", "--model.flavor", "1B", "--model.hf_assets_path", str(tok),
+    cmd = [*torchrun(gpus), str(Path(__file__).resolve()), "--titan-run",
+           "--model.name", "llama3", "--model.flavor", shape["titan_flavor"],
+           "--model.hf_assets_path", str(tok),
            "--training.dataset", "c4_test", "--training.dataset_path", str(corpus),
-           "--training.local_batch_size", str(rows), "--training.global_batch_size", str(rows * accum),
+           "--training.local_batch_size", str(rows),
+           "--training.global_batch_size", str(rows * accum * gpus),
            "--training.seq_len", str(seq), "--training.steps", str(steps), "--metrics.log_freq", "1",
-           "--compile.enable", "--activation_checkpoint.mode", "none",
-           "--job.dump_folder", str(work / "titan-out")]  # fmt: skip
+           "--compile.enable", *shape["titan_ac"], "--job.dump_folder", str(work / "titan-out")]  # fmt: skip
     if float8 is not None:
         cmd += [
             "--model.converters",
@@ -116,6 +128,9 @@ def run_titan(
         ]
         if float8:
             cmd += ["--quantize.linear.float8.filter_fqns", ",".join(float8)]
+        if gpus > 1:  # its recipes over several GPUs: the FSDP all-gathers in float8
+            cmd += ["--quantize.linear.float8.enable_fsdp_float8_all_gather",
+                    "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"]  # fmt: skip
     if val is not None:  # --quality: its validation at the last step, a short warm-up
         cmd += ["--validation.enable", "--validation.dataset", "c4_test",
                 "--validation.dataset_path", str(val), "--validation.freq", str(steps),
@@ -123,6 +138,7 @@ def run_titan(
                 "--validation.seq_len", str(seq), "--lr_scheduler.warmup_steps", str(steps // 10)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": f"{site}:{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    shutil.rmtree(work / "titan-out", ignore_errors=True)
     log = re.sub(r"\x1b\[[0-9;]*m", "", r.stdout + r.stderr)
     (work / f"titan-{seq}-{label.replace(' ', '-')}.log").write_text(log)
     logged = [{"step": int(s), "tok/s": float(t.replace(",", "")), "memory_gib": float(m)}
@@ -136,8 +152,8 @@ def run_titan(
 
 
 def run_ours(
-    work: Path, seq: int, rows: int, accum: int, steps: int, label: str, extra: list[str],
-    text: tuple[Path, Path] | None = None,
+    work: Path, shape: dict, gpus: int, seq: int, rows: int, accum: int, steps: int, label: str,
+    extra: list[str], text: tuple[Path, Path] | None = None,
 ) -> dict:  # fmt: skip
     """The preset on synthetic ids at Llama 3's vocabulary; with `text` (--quality), on that
     packed train and validation text, evaluated at the last step, with a short warm-up."""
@@ -150,33 +166,52 @@ def run_ours(
         extra = [*extra, "--data.val_path", str(text[1]), "--eval_every", str(steps),
                  "--eval_batches", str(VAL_BATCHES), "--optim.warmup_steps", str(steps // 10)]  # fmt: skip
     elif not (data / "manifest.json").exists():
-        _loader.write_synthetic(str(data), 20000, mu=7.0, sigma=1.0, vocab=SHAPE["vocab"], seed=0)
+        _loader.write_synthetic(str(data), 20000, mu=7.0, sigma=1.0, vocab=shape["vocab"], seed=0)
     name = f"ours-{seq}-{label}"
     # A fresh run directory: an old one would be resumed (and its ~16 GB checkpoint kept).
     shutil.rmtree(work / "runs" / name, ignore_errors=True)
-    cmd = [sys.executable, "-m", "pytrain.train", "--no-progress", "--config", "configs/llama-1b.toml",
+    launch = [*torchrun(gpus), "-m"] if gpus > 1 else [sys.executable, "-m"]
+    cmd = [*launch, "pytrain.train", "--no-progress", "--config", shape["preset"],
            "--data.path", str(data), "--data.seq_len", str(seq), "--data.batch_size", str(rows),
            "--optim.grad_accum", str(accum),
            "--max_steps", str(steps), "--eval_every", "0", "--samples", "0", "--log_every", "1",
            "--ckpt_every", "0", "--out_dir", str(work / "runs"), "--name", name, *extra]  # fmt: skip
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    log = work / "runs" / name / "train.log"
+    code, out = run_until_step(cmd, log, steps, stop_early=text is None)
     for ckpt in (work / "runs" / name).glob("ckpt-*"):  # ~16 GB each: the next run needs the disk
         shutil.rmtree(ckpt) if ckpt.is_dir() else ckpt.unlink()
-    (work / f"{name}.log").write_text(r.stdout + r.stderr)
-    log = work / "runs" / name / "train.log"
+    (work / f"{name}.log").write_text(out)
     logged = read_steps(log)
-    peak = re.search(r"\(([\d.]+) GiB reserved\)", r.stdout)
-    if r.returncode or not logged:
-        return {"error": (r.stderr.strip().splitlines() or ["?"])[-1][:200]}
+    if code or len(logged) < steps:
+        return {"error": (out.strip().splitlines() or ["?"])[-1][:200]}
     vals = re.findall(r"step \d+ val_loss ([\d.]+)", log.read_text())
     # What `auto` resolved to (a missing FA4 library turns attention into flex, silently
     # slower), and any compile fallback: the table shows both beside the figures.
-    start = read_start_line(r.stdout) or {}
+    start = read_start_line(out) or {}
     setup = ", ".join(start[k] for k in ("attention", "output_layer", "mlp") if k in start)
-    return {"tokens_per_s": median_steady(logged, "tok/s", steps // 3),
-            "peak_gib": float(peak.group(1)) if peak else float("nan"),
-            "setup": "; ".join([setup or "?", *read_fallbacks(r.stdout + r.stderr)]),
+    return {"tokens_per_s": median_steady(logged, "tok/s", steps // 3) / gpus,
+            "peak_gib": max(x.get("reserved_gib", float("nan")) for x in logged),
+            "setup": "; ".join([setup or "?", *read_fallbacks(out)]),
             **({"val_loss": float(vals[-1])} if vals else {})}  # fmt: skip
+
+
+def run_until_step(cmd: list[str], log: Path, steps: int, stop_early: bool) -> tuple[int, str]:
+    """Runs the trainer; with `stop_early`, ends it (SIGKILL to its process group) once its
+    train.log has the last step: the final evaluation and checkpoint that follow (96 GB at
+    8B) are not measured here. Returns (exit code, 0 where it was ended so; its output)."""
+    with tempfile.TemporaryFile("w+") as out:
+        p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                             start_new_session=True)  # fmt: skip
+        last = re.compile(rf"^step {steps} ", re.M)
+        while p.poll() is None:
+            if stop_early and log.exists() and last.search(log.read_text()):
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+                p.returncode = 0
+                break
+            time.sleep(2)
+        out.seek(0)
+        return p.returncode, out.read()
 
 
 def default_tokenizer() -> Path:
@@ -229,6 +264,13 @@ def main() -> int:
     p.add_argument(
         "--titan-site", type=Path, required=True, help="torchtitan 0.2.2 and its dependencies"
     )
+    p.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default="1b",
+        help="Llama-3.2-1B's or Llama-3.1-8B's shape (default 1b)",
+    )
+    p.add_argument("--gpus", type=int, default=1, help="GPUs of this host, both sides (default 1)")
     p.add_argument("--seq", default="2048")
     p.add_argument("--rows", type=int, default=8, help="rows per micro-batch (4 fit at 4096)")
     p.add_argument("--accum", type=int, default=4, help="micro-batches per optimizer step")
@@ -247,6 +289,7 @@ def main() -> int:
                    "document held out, the validation loss at the last step (--steps); each side's "
                    "float8 run against its bf16 run (goal: within 1%%)")  # fmt: skip
     args = p.parse_args()
+    shape = SHAPES[args.shape]
     print(machine_line(), flush=True)
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
@@ -283,7 +326,7 @@ def main() -> int:
             if f"ours {name}" not in wanted:
                 continue
             r[f"ours {name}"] = run_ours(
-                work, seq, args.rows, args.accum, args.steps, name,
+                work, shape, args.gpus, seq, args.rows, args.accum, args.steps, name,
                 [*extra, *shlex.split(args.ours_flags)], ours_text,
             )  # fmt: skip
             print(f"[{seq}] ours {name}: {r[f'ours {name}']}", flush=True)
@@ -291,12 +334,13 @@ def main() -> int:
             if f"torchtitan {name}" not in wanted:
                 continue
             r[f"torchtitan {name}"] = run_titan(
-                work, args.titan_site, seq, args.rows, args.accum, args.steps, name, fp8, titan_val
-            )
+                work, args.titan_site, shape, args.gpus, seq, args.rows, args.accum, args.steps,
+                name, fp8, titan_val,
+            )  # fmt: skip
             print(f"[{seq}] torchtitan {name}: {r[f'torchtitan {name}']}", flush=True)
-    print(
-        f"\nLlama-3.2-1B shape on one GPU, {args.rows} rows x {args.accum} micro-batches a step\n"
-    )
+    where = "one GPU" if args.gpus == 1 else f"{args.gpus} GPUs, FSDP2"
+    print(f"\n{shape['title']} shape on {where}, {args.rows} rows x {args.accum} "
+          "micro-batches a step on each GPU; tok/s per GPU\n")  # fmt: skip
     if args.ours_flags:
         print(f"(every run of ours with {args.ours_flags})\n")
     if args.quality:
@@ -304,7 +348,7 @@ def main() -> int:
               "below are not comparable with torchtitan's; use a run without --quality)\n")  # fmt: skip
     rows = []
     for seq, r in results.items():
-        f = flops_per_token(seq) / 1e12 / PEAK_TFLOPS
+        f = flops_per_token(shape, seq) / 1e12 / PEAK_TFLOPS
         for name, x in r.items():
             if "error" in x:
                 rows.append([seq, name, f"failed: {x['error']}", "-", "-", "-"])

@@ -121,3 +121,40 @@ def test_the_shard_group_is_a_node_unless_asked_and_divides_the_ranks():
     ):
         parse_args(["--fsdp_shard_size", "2"])
     assert parse_args(["--fsdp", "--fsdp_shard_size", "2"]).fsdp_shard_size == 2
+
+
+def test_fsdp2_keeps_only_gradient_shards_between_micro_batches(tmp_path):
+    """Under FSDP2 every micro-batch's gradients are reduce-scattered into the shards:
+    skipping that until the last micro-batch would keep each parameter's unsharded fp32
+    gradient, the whole model's size on every rank. After a micro-batch that is not the
+    last, every parameter already holds its sharded gradient, and the sum over two
+    micro-batches is the one-process sum."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from pytrain.train.parallel import no_sync
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        torch.manual_seed(0)
+        plain = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+        sharded = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+        sharded.load_state_dict(plain.state_dict())
+        for layer in sharded:
+            fully_shard(layer)
+        fully_shard(sharded)
+        xs = torch.randn(2, 4, 8)
+        with no_sync(sharded, last_micro_step=False):
+            sharded(xs[0]).sum().backward()
+        assert all(p.grad is not None for p in sharded.parameters())
+        with no_sync(sharded, last_micro_step=True):
+            sharded(xs[1]).sum().backward()
+        for x in xs:
+            plain(x).sum().backward()
+        for p, q in zip(plain.parameters(), sharded.parameters(), strict=True):
+            torch.testing.assert_close(q.grad.full_tensor(), p.grad)
+    finally:
+        dist.destroy_process_group()

@@ -17,7 +17,8 @@ at start-up and said in one line, and the wrapping itself.
   (`no_sync` before), in buckets that overlap the backward.
 - `fsdp2`: FSDP2's `fully_shard` per block: each rank holds a shard of the parameters,
   gradients and optimizer state; with bf16, parameters are gathered in bf16 and gradients
-  reduced in fp32 (its MixedPrecisionPolicy, as torchtitan sets it). Over several nodes it
+  reduce-scattered in fp32 after every micro-batch's backward (its MixedPrecisionPolicy,
+  as torchtitan sets it; `no_sync` below says why every micro-batch). Over several nodes it
   is HSDP: a 2-D device mesh (replicate x shard), FSDP2 within each group of
   `fsdp_shard_size` ranks and the groups replicas of each other. Gradients are
   reduce-scattered within a group and the shards all-reduced between the groups, so the
@@ -185,18 +186,26 @@ def wrap(
 
 
 def no_sync(model: torch.nn.Module, last_micro_step: bool):
-    """Skips the gradient all-reduce on all but the last micro-step of an optimizer step."""
+    """What all but the last micro-step of an optimizer step leave for the last one.
+
+    DDP skips its all-reduce (each rank sums its full gradients, as large as the model).
+    FSDP2 still reduce-scatters every micro-step's gradients, so that each rank only ever
+    holds its shard of them: skipping that (`set_requires_gradient_sync(False)`) would
+    keep every parameter's unsharded gradient in fp32 across the micro-steps, the whole
+    model's size on every GPU (32 GB at 8B), which sharding is there to avoid. Under HSDP
+    the shards' all-reduce between replica groups (the traffic that crosses nodes) waits
+    for the last micro-step: FSDP2 sums the reduce-scattered shards until then."""
     if last_micro_step:
         return nullcontext()
     if hasattr(model, "no_sync"):  # DDP
         return model.no_sync()  # type: ignore[operator]
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        model.set_requires_gradient_sync(False)  # type: ignore[operator]
-        return _ResyncAfter(model)
+    if hasattr(model, "set_requires_all_reduce"):  # FSDP2 (a no-op without replica groups)
+        model.set_requires_all_reduce(False)  # type: ignore[operator]
+        return _AllReduceAfter(model)
     return nullcontext()
 
 
-class _ResyncAfter:
+class _AllReduceAfter:
     def __init__(self, model):
         self.model = model
 
@@ -204,4 +213,4 @@ class _ResyncAfter:
         return self
 
     def __exit__(self, *exc):
-        self.model.set_requires_gradient_sync(True)
+        self.model.set_requires_all_reduce(True)
