@@ -24,6 +24,19 @@ repeated runs of one preset would):
               first loss is the trained model's); tokens/s and peak memory in the note
               (1B and 3B need an 80 GB GPU; 3B ~110 GB of disk)
 
+Rows for a host of 4 GPUs of 80 GB, run only where --rows names them (the default rows run
+on one GPU); on fewer GPUs each fails at once, saying so:
+  llama-8b    configs/llama-8b.toml under `torchrun --standalone --nproc_per_node 4`
+              (FSDP2), shortened: synthetic ids at Llama 3's vocabulary, 4 micro-batches a
+              rank, evaluation, a checkpoint (~96 GB), the resume, the export and its
+              logits; tokens/s and peak memory in the note; ~200 GB of disk at its peak
+  two-agent   HSDP as two nodes run it: two torchrun agents of 2 GPUs each (c10d
+              rendezvous on this host) train configs/llama-1b.toml shortened (with
+              FlexAttention, whose backward is deterministic); then the same job with
+              one rank killed by SIGKILL after a checkpoint: both agents restart it
+              (--max-restarts 1) and the losses after its resume are the uninterrupted
+              job's bit for bit
+
 Every row checks the exit codes, that validation losses were logged, that the second
 invocation resumed and continued the step count, and that nothing went non-finite. The
 preset rows change only the run length (--max_steps, --halt_after, --eval_every,
@@ -39,6 +52,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -54,6 +68,11 @@ from pytrain.train.metrics import read_step_lines  # noqa: E402
 
 PY = sys.executable
 TRAIN = [PY, "-m", "pytrain.train", "--no-progress"]
+TORCHRUN = [PY, "-m", "torch.distributed.run"]
+MULTI_GPU = ("llama-8b", "two-agent")
+"""The rows that need 4 GPUs: not in --rows' default, which runs on one GPU."""
+VOCAB = 128256
+"""Llama 3's vocabulary: the multi-GPU rows' synthetic ids, as the Llama presets train."""
 
 
 @dataclass
@@ -99,9 +118,44 @@ def read_setup(out: str, row: Row) -> None:
         row.setup = ", ".join(x for x in (s["attention"], head, s["mlp"], s["batch"]) if x)
 
 
+def train_log(run_dir: Path) -> str:
+    """runs/<name>/train.log's text ('' before the run writes it)."""
+    return (run_dir / "train.log").read_text() if (run_dir / "train.log").exists() else ""
+
+
+def step_losses(run_dir: Path) -> dict[int, float]:
+    """Each logged step's exact loss (`loss_exact`); a step logged again after a resume
+    keeps its last line."""
+    return {int(x["step"]): x["loss"] for x in read_step_lines(train_log(run_dir))}
+
+
+def logged_step(run_dir: Path) -> int:
+    """The last step train.log has a line of (0 before the first)."""
+    return max(step_losses(run_dir), default=0)
+
+
+def trainer_argv(work: Path, name: str, args: list[str], total: int, first: int = 0) -> list[str]:
+    """The trainer's flags for run `name` under WORK/runs: `args`, then its length (--max_steps
+    `total`, and --halt_after `first` where given)."""
+    halt = ["--halt_after", str(first)] if first else []
+    return [*args, "--out_dir", str(work / "runs"), "--name", name,
+            "--max_steps", str(total), *halt]  # fmt: skip
+
+
+def standalone(ranks: int) -> list[str]:
+    """`torchrun --standalone` of the trainer with `ranks` processes on this host."""
+    return [*TORCHRUN, "--standalone", f"--nproc_per_node={ranks}", "-m", "pytrain.train",
+            "--no-progress"]  # fmt: skip
+
+
+def shown(cmd: list[str]) -> str:
+    """A command as a user types it (`python`, not this interpreter's path)."""
+    return " ".join(c if c != PY else "python" for c in cmd)
+
+
 def read_log(run_dir: Path, row: Row) -> None:
     """Steps, last train and validation loss, evaluations from runs/<name>/train.log."""
-    text = (run_dir / "train.log").read_text() if (run_dir / "train.log").exists() else ""
+    text = train_log(run_dir)
     # Lines are "<date> <time> step N loss X ..." and "<date> <time> step N val_loss X".
     steps = [int(s) for s in re.findall(r"\bstep (\d+) loss ", text)]
     losses = [float(x) for x in re.findall(r"\bstep \d+ loss (\S+)", text)]
@@ -117,10 +171,8 @@ def read_log(run_dir: Path, row: Row) -> None:
 def train_twice(row: Row, work: Path, args: list[str], first: int, total: int, launcher=None):
     """Two invocations of the same command: the first halts after `first` steps (a
     checkpoint), the second resumes and runs to `total`."""
-    launcher = launcher or TRAIN
-    cmd = [*launcher, *args, "--out_dir", str(work / "runs"), "--name", row.name,
-           "--max_steps", str(total), "--halt_after", str(first)]  # fmt: skip
-    row.command = " ".join(c if c != PY else "python" for c in cmd)
+    cmd = [*(launcher or TRAIN), *trainer_argv(work, row.name, args, total, first)]
+    row.command = shown(cmd)
     # A fresh run directory: checkpoints of an earlier (perhaps interrupted) attempt would
     # be resumed by the first invocation.
     shutil.rmtree(work / "runs" / row.name, ignore_errors=True)
@@ -215,15 +267,14 @@ def row_sigterm(work: Path) -> Row:
     row = Row("preset-sigterm", "")
     args = preset_args(work, "--eval_every", "10", "--ckpt_every", "1000", "--eval_batches", "4")
     run_dir = work / "runs" / row.name
-    cmd = [*TRAIN, *args, "--out_dir", str(work / "runs"), "--name", row.name, "--max_steps", "40"]
-    row.command = " ".join(c if c != PY else "python" for c in cmd) + " (SIGTERM at step >= 12)"
+    cmd = [*TRAIN, *trainer_argv(work, row.name, args, 40)]
+    row.command = shown(cmd) + " (SIGTERM at step >= 12)"
     shutil.rmtree(run_dir, ignore_errors=True)
     t0 = time.perf_counter()
     with open(work / f"{row.name}-1.log", "w") as log:
         p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
         while p.poll() is None:
-            text = (run_dir / "train.log").read_text() if (run_dir / "train.log").exists() else ""
-            if max((int(s) for s in re.findall(r"\bstep (\d+) loss ", text)), default=0) >= 12:
+            if logged_step(run_dir) >= 12:
                 p.send_signal(signal.SIGTERM)
                 break
             time.sleep(0.2)
@@ -256,26 +307,20 @@ def row_sigterm(work: Path) -> Row:
 
 def row_torchrun(work: Path) -> Row:
     row = Row("torchrun", "")
-    launcher = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-                "-m", "pytrain.train", "--no-progress"]  # fmt: skip
     args = preset_args(work, "--eval_every", "10", "--ckpt_every", "20", "--eval_batches", "4")
-    train_twice(row, work, args, first=20, total=40, launcher=launcher)
+    train_twice(row, work, args, first=20, total=40, launcher=standalone(1))
     return row
 
 
 def row_fsdp_cpu_gpu(work: Path) -> Row:
     row = Row("fsdp-cpu-gpu", "")
     train, val = default_dataset(work)
-    launcher = [PY, "-m", "torch.distributed.run", "--standalone"]
-    args = ["-m", "pytrain.train", "--no-progress", "--fsdp", "--data.path", str(train),
-            "--data.val_path", str(val), "--optim.master_weights", "off", "--samples", "0", "--log_every", "1",
-            "--eval_every", "10", "--eval_batches", "4", "--ckpt_every", "20",
-            "--out_dir", str(work / "runs"), "--name", row.name, "--max_steps", "40"]  # fmt: skip
-    cpu = [*launcher, "--nproc_per_node=2", *args, "--device", "cpu", "--halt_after", "20"]
-    gpu = [*launcher, "--nproc_per_node=1", *args]
-    row.command = (
-        " ".join(c if c != PY else "python" for c in cpu) + "; then on the GPU with 1 rank"
-    )
+    args = ["--fsdp", "--data.path", str(train), "--data.val_path", str(val),
+            "--optim.master_weights", "off", "--samples", "0", "--log_every", "1",
+            "--eval_every", "10", "--eval_batches", "4", "--ckpt_every", "20"]  # fmt: skip
+    cpu = [*standalone(2), *trainer_argv(work, row.name, [*args, "--device", "cpu"], 40, 20)]
+    gpu = [*standalone(1), *trainer_argv(work, row.name, args, 40)]
+    row.command = shown(cpu) + "; then on the GPU with 1 rank"
     run_dir = work / "runs" / row.name
     shutil.rmtree(run_dir, ignore_errors=True)
     t0 = time.perf_counter()
@@ -286,8 +331,7 @@ def row_fsdp_cpu_gpu(work: Path) -> Row:
     read_setup(out2, row)
     m = re.search(r"resumed from \S+ at step (\d+)", out2)
     row.resumed = f"at step {m.group(1)}" if m else "no"
-    text = (run_dir / "train.log").read_text() if (run_dir / "train.log").exists() else ""
-    losses = {int(s): float(x) for s, x in re.findall(r"\bstep (\d+) loss (\S+)", text)}
+    losses = step_losses(run_dir)
     problems = [f"exit codes {rc1}, {rc2}"] if rc1 or rc2 else []
     if not (run_dir / "ckpt-00000020" / ".metadata").is_file():
         problems.append("no sharded checkpoint at step 20")
@@ -343,9 +387,9 @@ def row_pack(work: Path) -> Row:
     return row
 
 
-# Run by row llama-1b in a process of its own: our model from the run's checkpoint and
+# Run by the Llama rows in a process of its own: our model from the run's checkpoint and
 # transformers' from the export, both in fp32 on the CPU (no TF32 or kernel choices between
-# them), on the same ids.
+# them: what LOGITS_TOLERANCE is measured in), on the same ids.
 LOGITS_CHECK = """
 import sys, torch, transformers
 from pytrain.model.load import load
@@ -375,34 +419,277 @@ def row_llama(work: Path, preset: str) -> Row:
             "--samples", "1", "--eval_every", "5", "--ckpt_every", "10", "--eval_batches", "4",
             "--keep_ckpts", "1", "--log_every", "1"]  # fmt: skip
     train_twice(row, work, args, first=10, total=20)
-    run_dir, hf = work / "runs" / row.name, work / f"{preset}-hf"
-    log = (run_dir / "train.log").read_text() if (run_dir / "train.log").exists() else ""
-    speed = [x["tok/s"] for x in read_step_lines(log)][-5:]
-    peak = re.findall(r"peak GPU memory ([\d.]+) GB", (work / f"{row.name}-2.log").read_text())
-    shutil.rmtree(hf, ignore_errors=True)
-    rc, _ = run([PY, "-m", "pytrain.export", str(run_dir), str(hf)], work / f"{preset}-export.log")
-    rc2, out = run([PY, "-c", LOGITS_CHECK, str(run_dir), str(hf)], work / f"{preset}-logits.log")
-    m = re.search(r"class (\w+) max_abs_diff (\S+) max_abs_logit (\S+)", out)
-    problems = [row.note] if row.note else []
-    if rc or rc2 or not m:
-        problems.append(f"export exit {rc}, logits check exit {rc2}")
-    elif m.group(1) != "LlamaForCausalLM" or float(m.group(2)) > LOGITS_TOLERANCE:
-        problems.append(f"export: {m.group(1)}, logits differ by {m.group(2)}")
+    hf = work / f"{preset}-hf"
+    problems, exported = export_matches(work, row, hf)
     problems += continued(work, preset, args, hf, row.train_loss)
-    figures = (f"{sorted(speed)[len(speed) // 2]:,.0f} tok/s (median of the last {len(speed)} lines)"
-               if speed else "no tok/s")  # fmt: skip
-    figures += f", peak {peak[-1]} GB allocated" if peak else ""
-    if problems:
-        row.note = "; ".join(problems)
-    else:
-        row.note = (f"{figures}; export: LlamaForCausalLM, logits within {m.group(2)} "
-                    f"(of up to {m.group(3)})")  # fmt: skip
-    row.ok = row.ok and not problems
-    for ckpt in run_dir.glob("ckpt-*"):
-        shutil.rmtree(ckpt) if ckpt.is_dir() else ckpt.unlink()
+    conclude(row, problems, f"{figures(work, row)}; {exported}")
+    drop_checkpoints(work / "runs" / row.name)
     shutil.rmtree(hf, ignore_errors=True)
     shutil.rmtree(work / "runs" / f"{preset}-continued", ignore_errors=True)
     return row
+
+
+def export_matches(work: Path, row: Row, hf: Path) -> tuple[list[str], str]:
+    """`python -m pytrain.export` of the row's run into `hf`, loaded by transformers as
+    LlamaForCausalLM with our logits within LOGITS_TOLERANCE (LOGITS_CHECK): (problems,
+    what was found)."""
+    run_dir = work / "runs" / row.name
+    shutil.rmtree(hf, ignore_errors=True)
+    rc, _ = run(
+        [PY, "-m", "pytrain.export", str(run_dir), str(hf)], work / f"{row.name}-export.log"
+    )
+    rc2, out = run([PY, "-c", LOGITS_CHECK, str(run_dir), str(hf)], work / f"{row.name}-logits.log")
+    m = re.search(r"class (\w+) max_abs_diff (\S+) max_abs_logit (\S+)", out)
+    if rc or rc2 or not m:
+        return [f"export exit {rc}, logits check exit {rc2}"], ""
+    if m.group(1) != "LlamaForCausalLM" or float(m.group(2)) > LOGITS_TOLERANCE:
+        return [f"export: {m.group(1)}, logits differ by {m.group(2)}"], ""
+    return [], f"export: LlamaForCausalLM, logits within {m.group(2)} (of up to {m.group(3)})"
+
+
+def figures(work: Path, row: Row) -> str:
+    """The speed and memory of a train_twice row: the median tokens/s of the last 5 step
+    lines, the peak GPU memory allocated (the second invocation's end line) and reserved
+    (the step lines' `reserved_gib`: what must fit)."""
+    lines = read_step_lines(train_log(work / "runs" / row.name))
+    speed = sorted(x["tok/s"] for x in lines[-5:])
+    peak = re.findall(r"peak GPU memory ([\d.]+) GB", (work / f"{row.name}-2.log").read_text())
+    reserved = max((x.get("reserved_gib", 0.0) for x in lines), default=0.0)
+    text = (f"{speed[len(speed) // 2]:,.0f} tok/s (median of the last {len(speed)} lines)"
+            if speed else "no tok/s")  # fmt: skip
+    text += f", peak {peak[-1]} GB allocated" if peak else ""
+    return text + (f", {reserved:.1f} GiB reserved" if reserved else "")
+
+
+def conclude(row: Row, problems: list[str], found: str) -> None:
+    """The row's note: its problems (train_twice's first), or what it found where none."""
+    problems = [row.note, *problems] if row.note else problems
+    row.note = "; ".join(problems) if problems else found
+    row.ok = row.ok and not problems
+
+
+def drop_checkpoints(run_dir: Path) -> None:
+    """Frees a run's disk, keeping its logs."""
+    for ckpt in run_dir.glob("ckpt-*"):
+        shutil.rmtree(ckpt) if ckpt.is_dir() else ckpt.unlink()
+
+
+def gpus_missing(row: Row, need: int) -> bool:
+    """Fails `row` in one line where this host has fewer than `need` GPUs."""
+    import torch
+
+    have = torch.cuda.device_count()
+    if have < need:
+        row.note = f"not run: needs {need} GPUs, this host has {have}"
+    return have < need
+
+
+def synthetic_dataset(work: Path) -> tuple[Path, Path]:
+    """Synthetic ids at Llama 3's vocabulary (log-normal lengths of ~1,800 tokens): a
+    training set of 20,000 documents (~36M tokens) and a validation set of another seed."""
+    from pytrain import _loader
+
+    root = work / f"synthetic-{VOCAB}"
+    for split, docs, seed in (("train", 20000, 0), ("val", 2000, 1)):
+        if not (root / split / "manifest.json").exists():
+            shutil.rmtree(root / split, ignore_errors=True)  # an interrupted write
+            _loader.write_synthetic(
+                str(root / split), docs, mu=7.0, sigma=1.0, vocab=VOCAB, seed=seed
+            )
+    return root / "train", root / "val"
+
+
+def llama_8b_args(train: Path, val: Path, cache: Path) -> list[str]:
+    """configs/llama-8b.toml as shipped but for the data and the step: 131072 tokens, 4
+    micro-batches a rank on 4 GPUs (its 1M tokens would make a step ~36 s). An evaluation
+    ends each invocation (steps 4 and 6) and a checkpoint too; one is kept."""
+    return ["--config", "configs/llama-8b.toml", "--data.path", str(train), "--data.val_path", str(val),
+            "--optim.tokens_per_step", "131072", "--compile.cache_dir", str(cache), "--samples", "0",
+            "--log_every", "1", "--eval_every", "6", "--eval_batches", "2", "--ckpt_every", "6",
+            "--keep_ckpts", "1"]  # fmt: skip
+
+
+def row_llama_8b(work: Path) -> Row:
+    """configs/llama-8b.toml on 4 GPUs (FSDP2): 4 steps, then the resume to 6, and the
+    export. A checkpoint holds fp32 weights and both AdamW moments, ~96 GB, and two exist
+    while the second is written: the checkpoints and the export are deleted at the end,
+    also where the row fails, so that the disk is free for what follows."""
+    row = Row("llama-8b", "")
+    if gpus_missing(row, 4):
+        return row
+    train, val = synthetic_dataset(work)
+    hf = work / "llama-8b-hf"
+    try:
+        args = llama_8b_args(train, val, work / "inductor-cache")
+        train_twice(row, work, args, first=4, total=6, launcher=standalone(4))
+        problems, exported = export_matches(work, row, hf)
+        conclude(row, problems, f"{figures(work, row)}; {exported}")
+    finally:
+        drop_checkpoints(work / "runs" / row.name)
+        shutil.rmtree(hf, ignore_errors=True)
+    return row
+
+
+AGENT_STEPS, AGENT_CKPT = 8, 3
+"""The two-agent row's length and checkpoint interval: the kill comes once step
+AGENT_CKPT + 1 is logged, after the (synchronous) checkpoint of step AGENT_CKPT."""
+AGENT_LIMIT_S = 1800
+"""The most one two-agent job may take (a cold compile, 8 steps and three 15 GB checkpoints
+take a few minutes): a hung job is stopped and the row fails."""
+
+
+def two_agent_args(train: Path, cache: Path) -> list[str]:
+    """configs/llama-1b.toml under FSDP2 (fsdp_shard_size auto: a node's, here an agent's, 2
+    ranks; the 2 agents replicas), shortened; checkpoints written in the loop, and
+    deterministic kernels so that the resumed job can equal the uninterrupted one: with
+    FlexAttention, as FA4's backward (what auto takes on Hopper) sums dQ with atomic adds,
+    in an order that may change from one run to the next."""
+    return ["--config", "configs/llama-1b.toml", "--fsdp", "--data.path", str(train),
+            "--compile.cache_dir", str(cache), "--samples", "0", "--log_every", "1",
+            "--eval_every", "0", "--ckpt_every", str(AGENT_CKPT), "--keep_ckpts", "1",
+            "--no-ckpt_async", "--deterministic", "--model.attention", "flex"]  # fmt: skip
+
+
+def agents_cmd(work: Path, name: str, args: list[str], port: int | str) -> list[str]:
+    """One agent's command of a job of two (torchrun --nnodes 2, c10d rendezvous at
+    localhost:`port`, --max-restarts 1), as each node of two would run it."""
+    return [*TORCHRUN, "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", f"{name}-{port}", "--max-restarts", "1",
+            "-m", "pytrain.train", "--no-progress", *trainer_argv(work, name, args, AGENT_STEPS)]  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def workers(agent: int) -> list[int]:
+    """The processes an agent started (its ranks), by their parent pid in /proc."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:  # "pid (name) state ppid ...": the name may hold spaces and parentheses
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # a process that ended meanwhile
+        if ppid == agent:
+            found.append(int(stat.parent.name))
+    return sorted(found)
+
+
+def two_agents(
+    work: Path, name: str, args: list[str], kill_after: int = 0
+) -> tuple[list[int], list[str]]:
+    """A job of two agents on GPUs 0,1 and 2,3, to its end; with `kill_after`, a rank of the
+    second agent killed by SIGKILL once step `kill_after` is logged. Each agent's exit code
+    and output (WORK/<name>-agent<i>.log)."""
+    run_dir, logs = work / "runs" / name, [work / f"{name}-agent{i}.log" for i in (0, 1)]
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cmd = agents_cmd(work, name, args, free_port())
+    # LOGLEVEL INFO: each agent says when it restarts its ranks ("will restart worker group").
+    procs = []
+    for log, gpus in zip(logs, ("0,1", "2,3"), strict=True):
+        with open(log, "w") as f:
+            f.write(f"$ CUDA_VISIBLE_DEVICES={gpus} {shown(cmd)}\n")
+            f.flush()
+            env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus, "LOGLEVEL": "INFO"}
+            procs.append(
+                subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+            )
+    t0 = time.perf_counter()
+    while kill_after and time.perf_counter() - t0 < AGENT_LIMIT_S:
+        if any(p.poll() is not None for p in procs):
+            break  # ended before the step: the row fails on what it says
+        if logged_step(run_dir) >= kill_after:
+            for rank in workers(procs[1].pid)[-1:]:
+                os.kill(rank, signal.SIGKILL)
+            break
+        time.sleep(0.5)
+    rcs = [ended(p, AGENT_LIMIT_S - (time.perf_counter() - t0)) for p in procs]
+    for rc, log in zip(rcs, logs, strict=True):
+        print(f"  {log.name}: exit {rc} after {time.perf_counter() - t0:.0f}s", flush=True)
+    return rcs, [log.read_text() for log in logs]
+
+
+def ended(agent: subprocess.Popen, within: float) -> int:
+    """The agent's exit code; one still running after `within` s is stopped (SIGTERM: it
+    stops its ranks, with SIGKILL after 30 s), and killed after 90 s more."""
+    try:
+        return agent.wait(timeout=max(1.0, within))
+    except subprocess.TimeoutExpired:
+        agent.terminate()
+    try:
+        return agent.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        agent.kill()
+        return agent.wait()
+
+
+def row_two_agent(work: Path) -> Row:
+    """HSDP over two agents of 2 GPUs, as two nodes would run it: an uninterrupted job, then
+    the same with a rank killed after a checkpoint. Both agents must restart their ranks,
+    the job resume from that checkpoint and its losses after it equal the uninterrupted
+    job's bit for bit (`loss_exact`), as tests/test_hsdp.py checks on the CPU."""
+    row = Row("two-agent", "")
+    if gpus_missing(row, 4):
+        return row
+    args = two_agent_args(synthetic_dataset(work)[0], work / "inductor-cache")
+    row.command = (f"CUDA_VISIBLE_DEVICES=0,1 and 2,3: {shown(agents_cmd(work, row.name, args, 'PORT'))}; "
+                   f"again, a rank killed by SIGKILL at step {AGENT_CKPT + 1}")  # fmt: skip
+    t0 = time.perf_counter()
+    whole = two_agents(work, f"{row.name}-whole", args)
+    killed = two_agents(work, row.name, args, kill_after=AGENT_CKPT + 1)
+    row.wall_s = time.perf_counter() - t0
+    run_dir = work / "runs" / row.name
+    read_log(run_dir, row)
+    read_setup("".join(whole[1]), row)
+    resumed = [int(s) for s in re.findall(r"resumed from \S+ at step (\d+)", "".join(killed[1]))]
+    row.resumed = ", ".join(f"at step {s}" for s in resumed) or "no"
+    problems = ([row.note] if row.note else []) + restart_problems(whole, killed)
+    if len(resumed) != 1 or resumed[0] < AGENT_CKPT:
+        problems.append(f"resumed {row.resumed}, not once from a checkpoint")
+    else:
+        want = step_losses(work / "runs" / f"{row.name}-whole")
+        steps = range(resumed[0] + 1, AGENT_STEPS + 1)
+        problems += first_difference(step_losses(run_dir), want, steps)
+    row.note = "; ".join(problems) or (
+        f"both agents restarted; steps {resumed[0] + 1}-{AGENT_STEPS} bit for bit"
+    )
+    row.ok = not problems
+    for name in (row.name, f"{row.name}-whole"):
+        drop_checkpoints(work / "runs" / name)
+    return row
+
+
+def restart_problems(
+    whole: tuple[list[int], list[str]], killed: tuple[list[int], list[str]]
+) -> list[str]:
+    """What the two jobs' agents (exit codes, outputs) say against HSDP over 2 x 2 ranks, an
+    uninterrupted first job, and a second whose killed rank restarted both agents."""
+    problems = []
+    if any(whole[0] + killed[0]):
+        problems.append(f"exit codes {whole[0]} uninterrupted, {killed[0]} killed")
+    if "HSDP, FSDP2 within each group of 2 ranks" not in "".join(whole[1]):
+        problems.append("not HSDP of 2 groups of 2 ranks")
+    if "will restart worker group" in "".join(whole[1]):
+        problems.append("the uninterrupted job restarted")
+    if not re.search(r"exitcode\s*: -9", "".join(killed[1])):
+        problems.append("no rank ended by SIGKILL")
+    restarts = [out.count("will restart worker group") for out in killed[1]]
+    if min(restarts) < 1:
+        problems.append(f"restarts by agent: {restarts}, not both")
+    return problems
+
+
+def first_difference(got: dict[int, float], want: dict[int, float], steps: range) -> list[str]:
+    """The first of `steps` whose loss is not the same float in both, as a problem."""
+    for step in steps:
+        if step not in got or step not in want:
+            return [f"step {step} not logged by both jobs"]
+        if got[step] != want[step]:
+            rel = abs(got[step] - want[step]) / abs(want[step])
+            return [f"step {step}: loss {got[step]!r}, uninterrupted {want[step]!r} ({rel:.1e})"]
+    return []
 
 
 def continued(work: Path, preset: str, args: list[str], hf: Path, trained_loss: float) -> list[str]:
@@ -448,6 +735,8 @@ ROWS = {
     "llama-350m": lambda w: row_llama(w, "llama-350m"),
     "llama-1b": lambda w: row_llama(w, "llama-1b"),
     "llama-3b": lambda w: row_llama(w, "llama-3b"),
+    "llama-8b": row_llama_8b,
+    "two-agent": row_two_agent,
 }
 
 
@@ -475,7 +764,10 @@ def main() -> int:
         help="scratch directory (emptied runs)",
     )
     p.add_argument(
-        "--rows", default=",".join(ROWS), help=f"comma-separated subset of {', '.join(ROWS)}"
+        "--rows",
+        default=",".join(r for r in ROWS if r not in MULTI_GPU),
+        help=f"comma-separated subset of {', '.join(ROWS)} (default: all but "
+        f"{', '.join(MULTI_GPU)}, which need 4 GPUs)",
     )
     args = p.parse_args()
     work = args.work.resolve()
