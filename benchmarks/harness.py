@@ -2,13 +2,14 @@
 run from the repository root (`python benchmarks/NAME.py --help` says what it measures and
 how). This module is what they share: the line naming the machine a run measured (every
 benchmark prints it first), the median of a run's steady steps, Markdown tables, train.log's
-step lines, real text to tokenize, and a timed read of a loader. It imports no torch until
+step lines, a run's peak GPU memory, real text to tokenize, and a timed read of a loader. It imports no torch until
 a function needs it (read_steps); machine_line asks a child process."""
 
 from __future__ import annotations
 
 import os
 import platform
+import re
 import shutil
 import site
 import statistics
@@ -115,6 +116,19 @@ def read_steps(log: Path) -> list[dict[str, float]]:
     from pytrain.train.metrics import read_step_lines  # imports torch: only where used
 
     return read_step_lines(log.read_text()) if log.exists() else []
+
+
+# The end of the trainer's last line on a GPU (pytrain/train/report.py, final_report):
+# "... peak GPU memory 17.8 GB (19.25 GiB reserved)".
+_PEAK = re.compile(r"peak GPU memory ([\d.]+) GB \(([\d.]+) GiB reserved\)")
+
+
+def peak_memory(stdout: str) -> tuple[float, float] | None:
+    """(GB allocated, GiB reserved) at a training run's peak, from its output's end line:
+    torch.cuda.max_memory_allocated / 1e9 and max_memory_reserved / 2**30 of rank 0's GPU
+    (the first such line); None where there is none (a CPU run, a run that failed)."""
+    m = _PEAK.search(stdout)
+    return (float(m.group(1)), float(m.group(2))) if m else None
 
 
 def python_sources(max_bytes: int) -> Iterator[tuple[str, str]]:

@@ -27,7 +27,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.harness import machine_line, markdown_table, median_steady, read_steps  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    machine_line,
+    markdown_table,
+    median_steady,
+    peak_memory,
+    read_steps,
+)
 from pytrain.train.cli import read_fallbacks, read_start_line  # noqa: E402
 
 
@@ -83,6 +89,7 @@ def run_ours(
     rows, skip = read_steps(out / name / "train.log"), min(50, steps // 3)
     if median_steady(rows, "tok/s", skip) is None:
         return {"name": name, "error": f"no step after step {skip} in train.log"}
+    allocated, reserved = peak_memory(r.stdout) or (float("nan"), float("nan"))
     return {
         "name": name,
         "tokens_per_s": median_steady(rows, "tok/s", skip),
@@ -100,9 +107,8 @@ def run_ours(
         # A run that fell back (e.g. CUDA graphs refused) did not measure the configuration
         # it names: the table says so under it.
         "fallbacks": read_fallbacks(r.stdout),
-        "peak_gpu_gb": float(
-            next(iter(re.findall(r"peak GPU memory ([\d.]+) GB", r.stdout)), "nan")
-        ),
+        "peak_gpu_gb": allocated,
+        "peak_reserved_gib": reserved,
     }
 
 
