@@ -2,8 +2,9 @@
 run from the repository root (`python benchmarks/NAME.py --help` says what it measures and
 how). This module is what they share: the line naming the machine a run measured (every
 benchmark prints it first), the median of a run's steady steps, Markdown tables, train.log's
-step lines, a run's peak GPU memory, real text to tokenize, and a timed read of a loader. It imports no torch until
-a function needs it (read_steps); machine_line asks a child process."""
+step lines, a run's peak GPU memory, real text to tokenize, and a timed read of a loader.
+It imports no torch until a function needs it (read_steps); machine_line asks a child
+process."""
 
 from __future__ import annotations
 
