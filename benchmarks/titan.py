@@ -120,12 +120,11 @@ def run_titan(
            "--training.seq_len", str(seq), "--training.steps", str(steps), "--metrics.log_freq", "1",
            "--compile.enable", *shape["titan_ac"], "--job.dump_folder", str(work / "titan-out")]  # fmt: skip
     if float8 is not None:
-        cmd += [
-            "--model.converters",
-            "quantize.linear.float8",  # 0.2.2 registers it under this name
-            "--quantize.linear.float8.recipe_name",
-            "tensorwise",
-        ]
+        # 0.2.2 registers the converter under this name; tensorwise is its default recipe,
+        # which it refuses to have named beside the float8 all-gathers.
+        cmd += ["--model.converters", "quantize.linear.float8"]
+        if gpus == 1:
+            cmd += ["--quantize.linear.float8.recipe_name", "tensorwise"]
         if float8:
             cmd += ["--quantize.linear.float8.filter_fqns", ",".join(float8)]
         if gpus > 1:  # its recipes over several GPUs: the FSDP all-gathers in float8
@@ -137,7 +136,9 @@ def run_titan(
                 "--validation.steps", str(VAL_BATCHES), "--validation.local_batch_size", str(rows),
                 "--validation.seq_len", str(seq), "--lr_scheduler.warmup_steps", str(steps // 10)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": f"{site}:{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+    t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - t0
     shutil.rmtree(work / "titan-out", ignore_errors=True)
     log = re.sub(r"\x1b\[[0-9;]*m", "", r.stdout + r.stderr)
     (work / f"titan-{seq}-{label.replace(' ', '-')}.log").write_text(log)
@@ -147,7 +148,7 @@ def run_titan(
         return {"error": (log.strip().splitlines() or ["?"])[-1][:200]}
     vals = re.findall(r"validate step:\s*\d+\s+loss:\s*([\d.]+)", log)
     return {"tokens_per_s": median_steady(logged, "tok/s", steps // 3),
-            "peak_gib": max(x["memory_gib"] for x in logged),
+            "peak_gib": max(x["memory_gib"] for x in logged), "wall_s": round(wall),
             **({"val_loss": float(vals[-1])} if vals else {})}  # fmt: skip
 
 
@@ -177,7 +178,9 @@ def run_ours(
            "--max_steps", str(steps), "--eval_every", "0", "--samples", "0", "--log_every", "1",
            "--ckpt_every", "0", "--out_dir", str(work / "runs"), "--name", name, *extra]  # fmt: skip
     log = work / "runs" / name / "train.log"
+    t0 = time.perf_counter()
     code, out = run_until_step(cmd, log, steps, stop_early=text is None)
+    wall = time.perf_counter() - t0
     for ckpt in (work / "runs" / name).glob("ckpt-*"):  # ~16 GB each: the next run needs the disk
         shutil.rmtree(ckpt) if ckpt.is_dir() else ckpt.unlink()
     (work / f"{name}.log").write_text(out)
@@ -191,27 +194,41 @@ def run_ours(
     setup = ", ".join(start[k] for k in ("attention", "output_layer", "mlp") if k in start)
     return {"tokens_per_s": median_steady(logged, "tok/s", steps // 3) / gpus,
             "peak_gib": max(x.get("reserved_gib", float("nan")) for x in logged),
-            "setup": "; ".join([setup or "?", *read_fallbacks(out)]),
+            "setup": "; ".join([setup or "?", *read_fallbacks(out)]), "wall_s": round(wall),
             **({"val_loss": float(vals[-1])} if vals else {})}  # fmt: skip
 
 
 def run_until_step(cmd: list[str], log: Path, steps: int, stop_early: bool) -> tuple[int, str]:
-    """Runs the trainer; with `stop_early`, ends it (SIGKILL to its process group) once its
+    """Runs the trainer; with `stop_early`, ends it (SIGKILL to it and its workers) once its
     train.log has the last step: the final evaluation and checkpoint that follow (96 GB at
     8B) are not measured here. Returns (exit code, 0 where it was ended so; its output)."""
     with tempfile.TemporaryFile("w+") as out:
-        p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                             start_new_session=True)  # fmt: skip
-        last = re.compile(rf"^step {steps} ", re.M)
+        p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
         while p.poll() is None:
-            if stop_early and log.exists() and last.search(log.read_text()):
-                os.killpg(p.pid, signal.SIGKILL)
+            if stop_early and any(x["step"] >= steps for x in read_steps(log)):
+                kill_tree(p.pid)
                 p.wait()
                 p.returncode = 0
                 break
             time.sleep(2)
         out.seek(0)
         return p.returncode, out.read()
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL to `pid` and all its descendants, from /proc: torchrun starts its workers in
+    sessions of their own, which a signal to its process group would not reach."""
+    try:
+        kids = [int(x) for t in Path(f"/proc/{pid}/task").iterdir()
+                for x in (t / "children").read_text().split()]  # fmt: skip
+    except OSError:  # already gone
+        kids = []
+    for kid in kids:
+        kill_tree(kid)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def default_tokenizer() -> Path:
