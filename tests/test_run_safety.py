@@ -447,7 +447,15 @@ def test_the_start_says_when_the_checkpoints_will_not_fit(tmp_path):
     free = disk.free_bytes(tmp_path)
     assert disk.space_note(tmp_path, per_checkpoint=1000, keep=3) is None
     note = disk.space_note(tmp_path, per_checkpoint=free, keep=3)
-    assert note and str(tmp_path) in note and "free" in note and "--keep_ckpts" in note
+    assert note and str(tmp_path) in note and "not one fits" in note, note
+    # Room for 3.5 checkpoints of this size (slack for other writers): 2 kept and the one
+    # being written.
+    note = disk.space_note(tmp_path, per_checkpoint=int(disk.free_bytes(tmp_path) / 3.5), keep=5)
+    assert (
+        note and "keeps 5" in note and "2 fit beside the one being written: --keep_ckpts 2" in note
+    ), note
+    assert disk.space_note(tmp_path, per_checkpoint=disk.free_bytes(tmp_path) // 4, keep=2) is None
+    assert disk.fitting(free=100, existing=50, per_checkpoint=30) == 4
     model = torch.nn.Linear(100, 100)
     opt = torch.optim.AdamW(model.parameters())
     params = 100 * 100 + 100

@@ -81,24 +81,38 @@ def checkpoint_estimate(model, optimizer, fp32_weights: bool) -> int:
     return weights + (held if held else 2 * 4 * params)
 
 
+def fitting(free: int, existing: int, per_checkpoint: int) -> int:
+    """How many checkpoints of `per_checkpoint` bytes a run directory can keep, given `free`
+    bytes and the `existing` bytes of its own checkpoints (which the run will replace): the
+    kept ones plus the one being written before the oldest is removed."""
+    return max(0, (free + existing) // max(1, per_checkpoint) - 1)
+
+
 def space_note(run_dir: Path, per_checkpoint: int, keep: int) -> str | None:
     """One line when the run directory cannot hold the checkpoints the run will keep
     (`keep` of them plus the one being written before the oldest is removed), counting
-    the space the run's existing checkpoints already take; None when they fit."""
+    the space the run's existing checkpoints already take, saying how many would fit;
+    None when they fit."""
     existing = sum(
         f.stat().st_size
         for p in Path(run_dir).glob("ckpt-*")
         for f in (p.rglob("*") if p.is_dir() else [p])
         if f.is_file()
     )  # checkpoint files and sharded checkpoints' directories
-    need = per_checkpoint * ((keep if keep > 0 else 1) + 1) - existing
+    kept = keep if keep > 0 else 1
+    need = per_checkpoint * (kept + 1) - existing
     free = free_bytes(run_dir)
     if need <= free:
         return None
-    kept = f"{keep} checkpoint(s)" if keep > 0 else "the newest checkpoint"
+    fit = fitting(free, existing, per_checkpoint)
+    room = (
+        f"{fit} fit beside the one being written: --keep_ckpts {fit}"
+        if fit
+        else "not one fits beside the one being written: free some or point --out_dir elsewhere"
+    )
     return (
-        f"warning: {run_dir} has {human(free)} free, but {kept} of this run "
-        f"(about {human(per_checkpoint)} each) and the one being written need about "
-        f"{human(need)} more; a checkpoint write will fail for space unless some is freed "
-        "(or --keep_ckpts is lowered)"
+        f"warning: {run_dir} has {human(free)} free for checkpoints of about "
+        f"{human(per_checkpoint)} each; this run keeps {kept} and writes one more before "
+        f"removing the oldest (about {human(need - free)} more than is free), so a checkpoint "
+        f"write will fail for space; {room}"
     )
