@@ -217,7 +217,7 @@ def run_until_step(cmd: list[str], log: Path, steps: int, stop_early: bool) -> t
 
 def kill_tree(pid: int) -> None:
     """SIGKILL to `pid` and all its descendants, from /proc: torchrun starts its workers in
-    sessions of their own, which a signal to its process group would not reach."""
+    process groups of their own, which a signal to its group would not reach."""
     try:
         kids = [int(x) for t in Path(f"/proc/{pid}/task").iterdir()
                 for x in (t / "children").read_text().split()]  # fmt: skip
