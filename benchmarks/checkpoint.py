@@ -7,11 +7,24 @@ single-file checkpoint against the sharded one that runs under --fsdp write
 a rank, written in parallel), and again with DCP's default of 1.
 
     python benchmarks/checkpoint.py [--device cuda] [--saves 3]
+
+With --fsdp, under torchrun: a preset's model sharded over the ranks as the trainer shards
+it (FSDP2, bf16 compute; built on the meta device, each rank materialising its shards) with
+the trainer's AdamW, saved by the trainer's background writer (ShardedWriter) `--saves`
+times, an optimizer step between saves. Each save's loop hold by phase (the slowest rank's),
+when its write is done, one checkpoint's bytes on disk, the host memory pinned for staging,
+and the resume path's load into a fresh model and optimizer, whose tensors are checked
+against the saved ones (exit 1 where they differ). Llama-3.1-8B on 4 GPUs, and on the CPU:
+
+    torchrun --nproc_per_node 4 benchmarks/checkpoint.py --fsdp --preset configs/llama-8b.toml --dir /tmp/ckpt-bench
+    torchrun --nproc_per_node 2 benchmarks/checkpoint.py --fsdp --device cpu --preset configs/cpu-default.toml
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import os
 import shutil
 import sys
 import tempfile
@@ -130,6 +143,212 @@ def round_trips(
     return out
 
 
+LLAMA3_VOCAB = 128256
+"""The vocabulary where a preset takes it from its dataset (vocab_size 0): the 8B preset's
+data is tokenized with Llama 3's."""
+
+
+def _preset(path: Path):
+    """The preset's TrainConfig, read as the trainer reads --config."""
+    from pytrain.config import TrainConfig, apply_toml
+
+    cfg = TrainConfig()
+    apply_toml(cfg, path)
+    cfg.model.vocab_size = cfg.model.vocab_size or LLAMA3_VOCAB
+    return cfg
+
+
+def _sharded(cfg, device: torch.device, seed: int, moments: bool):
+    """(GPT, AdamW) as the trainer builds them under FSDP2 (parallel.wrap over every rank,
+    bf16 compute; build_optimizer), but made on the meta device and materialised shard by
+    shard: no rank holds the whole model (the 8B: 32 GB in fp32). The weights are random
+    (`seed` and the rank: every shard differs); `moments`: AdamW's state made by one step
+    on zero gradients, as a trained run has it (a fresh optimizer, as at resume, has none)."""
+    import torch.distributed as dist
+
+    from pytrain.model.gpt import LossModule
+    from pytrain.optim.build import build_optimizer
+    from pytrain.train import parallel
+
+    with torch.device("meta"):
+        gpt = GPT(cfg.model)
+    plan = parallel.Plan("fsdp2", "", shard=dist.get_world_size())
+    parallel.wrap(LossModule(gpt), plan, device, torch.bfloat16).to_empty(device=device)
+    # The RoPE tables (buffers, never saved) stay uninitialised: nothing runs the model.
+    gen = torch.Generator(device).manual_seed(seed + dist.get_rank())
+    with torch.no_grad():
+        for p in gpt.parameters():  # this rank's shard, in place
+            if p.dim() > 1:
+                p.to_local().normal_(0, 0.02, generator=gen)
+            else:
+                p.to_local().uniform_(generator=gen)
+    opt, _ = build_optimizer(
+        gpt, cfg.optim, device, torch.bfloat16, sharded=True, fp16_scaler=False
+    )
+    if moments:
+        _step(gpt, opt, None)
+    return gpt, opt
+
+
+def _step(gpt, opt, gen: torch.Generator | None) -> None:
+    """One AdamW step on zero gradients (`gen` None) or random ones: between saves, so that
+    each save holds other values and the moments the load check compares are not zero."""
+    for p in gpt.parameters():
+        p.grad = torch.zeros_like(p)
+        if gen is not None:
+            p.grad.to_local().normal_(generator=gen)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _local(t) -> torch.Tensor:
+    """This rank's part of a state tensor (a DTensor's shard, or a plain tensor)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _state_bytes(gpt, opt) -> int:
+    """Bytes of this rank's shards of the weights and the AdamW state."""
+    tensors = [*gpt.parameters(), *(v for st in opt.state.values() for v in st.values())]
+    return sum(_local(t).nbytes for t in tensors)
+
+
+def _probe(gpt, opt) -> dict[str, torch.Tensor]:
+    """Host copies of a few of this rank's shards, by name: the first, middle and last
+    parameter's and its AdamW state's (step, moments)."""
+    named = list(gpt.named_parameters())
+    out = {}
+    for name, p in (named[0], named[len(named) // 2], named[-1]):
+        for key, v in [("", p), *opt.state[p].items()]:
+            out[f"{name}.{key}"] = _local(v).detach().to("cpu", copy=True)
+    return out
+
+
+def _pinned() -> tuple[int, float] | None:
+    """(bytes, seconds spent allocating or None) of CUDA's pinned host allocator in this
+    process, where torch says them (torch.cuda.host_memory_stats); None off CUDA."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if not torch.cuda.is_available() or stats is None:
+        return None
+    got = stats()
+    if "allocated_bytes.current" not in got:
+        return None
+    micros = got.get("host_alloc_time.total")
+    return got["allocated_bytes.current"], None if micros is None else micros / 1e6
+
+
+def _rank_figures(args, cfg, info, device: torch.device, work: Path) -> dict:
+    """This rank's figures: each save's (loop held, phases, done after), the first
+    checkpoint's bytes and files (rank 0), the load's seconds, its state's bytes, what it
+    pinned, its peak RSS, and whether the loaded tensors equal the saved."""
+    import resource
+
+    import torch.distributed as dist
+
+    gpt, opt = _sharded(cfg, device, seed=0, moments=True)
+    out: dict = {"state": _state_bytes(gpt, opt), "saves": [], "disk": (0, 0), "pinned": None}
+    writer = sharded_checkpoint.ShardedWriter()
+    gen = torch.Generator(device).manual_seed(1 + dist.get_rank())
+    probe: dict = {}
+    for i in range(1, args.saves + 1):
+        if i > 1:
+            _step(gpt, opt, gen)
+        if i == args.saves:
+            probe = _probe(gpt, opt)  # what the last save holds
+        _sync(device.type)
+        t0 = time.perf_counter()
+        path = writer.submit(work, i, gpt, opt, {"step": i}, info.is_main, dist.barrier, keep=1)
+        held = time.perf_counter() - t0
+        writer.wait()
+        out["saves"].append((held, dict(writer.phases), time.perf_counter() - t0))
+        if i == 1:  # before the next save's write prunes it (keep=1)
+            out["pinned"] = _pinned()
+            sizes = [f.stat().st_size for f in path.iterdir()] if info.is_main else []
+            out["disk"] = (sum(sizes), len(sizes))
+    del gpt, opt, writer  # the staging buffers too: the resume below starts afresh
+    gc.collect()  # FSDP2's hooks hold its modules in reference cycles
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    gpt, opt = _sharded(cfg, device, seed=1000, moments=False)
+    dist.barrier()
+    t0 = time.perf_counter()
+    found = checkpoint.load_latest(work)  # as run_state.resume reads it
+    assert found is not None, f"no checkpoint in {work}"
+    sharded_checkpoint.load(found[0]["sharded"], gpt, opt, found[0]["param_groups"])
+    _sync(device.type)
+    out["load"] = time.perf_counter() - t0
+    got = _probe(gpt, opt)
+    out["same"] = got.keys() == probe.keys() and all(torch.equal(got[k], probe[k]) for k in probe)
+    out["compared"] = len(probe)
+    out["rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return out
+
+
+def _tables(ranks: list[dict]) -> tuple[str, str]:
+    """The saves table and the totals table of every rank's figures: the slowest rank's
+    seconds, the sums of bytes."""
+    saves = []
+    for i in range(len(ranks[0]["saves"])):
+        held, done = (max(r["saves"][i][j] for r in ranks) for j in (0, 2))
+        phases = {k: max(r["saves"][i][1][k] for r in ranks) for k in ranks[0]["saves"][i][1]}
+        saves.append([f"save {i + 1}", f"{held:.3f}", *(f"{v:.3f}" for v in phases.values()),
+                      f"{done:.2f}"])  # fmt: skip
+    heads = ["save", "loop held", *ranks[0]["saves"][0][1], "write done after"]
+    pins = [r["pinned"] for r in ranks if r["pinned"] is not None]
+    pinned = "- (not said: no CUDA, or torch.cuda.host_memory_stats has no figure)"
+    if pins:
+        times = [s for _, s in pins if s is not None]
+        took = f", allocating {max(times):.2f} s (the slowest rank)" if times else ""
+        pinned = f"{sum(b for b, _ in pins) / 1e9:.2f} GB on all ranks{took}"
+    gb = 1e9
+    disk_bytes, files = ranks[0]["disk"]
+    same = all(r["same"] for r in ranks)
+    totals = [
+        ("state (weights, AdamW state)", f"{sum(r['state'] for r in ranks) / gb:.2f} GB, "
+         f"{max(r['state'] for r in ranks) / gb:.2f} GB a rank"),
+        ("one checkpoint on disk", f"{disk_bytes / gb:.2f} GB in {files} files"),
+        ("load (resume: state.pt, then each rank's shards)", f"{max(r['load'] for r in ranks):.2f} s"),
+        ("host memory pinned for staging", pinned),
+        ("peak host memory (RSS) a rank", f"{max(r['rss'] for r in ranks) / gb:.2f} GB"),
+        ("loaded state equals the saved", f"{'yes' if same else 'NO'} "
+         f"({min(r['compared'] for r in ranks)} tensors a rank compared)"),
+    ]  # fmt: skip
+    return markdown_table(heads, saves), markdown_table(["measure", "value"], totals)
+
+
+def ranks_main(args) -> int:
+    """The --fsdp mode: every rank runs this under torchrun; rank 0 prints."""
+    from pytrain.config import ConfigError
+    from pytrain.train import distributed
+
+    if not args.preset.is_file():
+        print(f"--preset {args.preset}: no such file", file=sys.stderr)
+        return 2
+    try:
+        cfg = _preset(args.preset)
+        info, device = distributed.init(args.device)
+    except ConfigError as e:  # a preset that does not read, more ranks than GPUs
+        print(e, file=sys.stderr)
+        return 2
+    work = args.dir / "checkpoint-bench"
+    if info.is_main:
+        print(machine_line(), flush=True)
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+    distributed.barrier(info)
+    ranks = distributed.gather_objects(_rank_figures(args, cfg, info, device, work), info)
+    distributed.shutdown(info)
+    if info.is_main:
+        shutil.rmtree(work, ignore_errors=True)
+        m = cfg.model
+        print(f"{args.preset}: {m.n_layer} layers, d_model {m.d_model}, vocabulary {m.vocab_size}; "
+              f"FSDP2 over {info.world_size} rank(s) on {device.type}; {args.saves} background "
+              "saves (ShardedWriter), an AdamW step before each after the first")  # fmt: skip
+        saves, totals = _tables(ranks)
+        print("\nloop held, seconds, by phase (ShardedWriter.phases; each the slowest rank's)")
+        print(saves + "\n\n" + totals)
+    distributed.exit_process(0 if all(r["same"] for r in ranks) else 1)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -137,7 +356,18 @@ def main() -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--saves", type=int, default=3)
     p.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
+    p.add_argument("--fsdp", action="store_true",
+                   help="under torchrun: the preset's model sharded over the ranks (above)")  # fmt: skip
+    p.add_argument("--preset", type=Path, default=Path("configs/gpt2-124m.toml"),
+                   help="with --fsdp: the model's shape and optimizer (a configs/*.toml)")  # fmt: skip
     args = p.parse_args()
+    if args.fsdp:
+        return ranks_main(args)
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        print(
+            "under torchrun, pass --fsdp (each rank would run its own benchmark)", file=sys.stderr
+        )
+        return 2
     print(machine_line(), flush=True)
     cfg = ModelConfig(vocab_size=50304, n_layer=12, n_head=12, d_model=768, mlp="gelu")
     model = GPT(cfg).to(args.device)

@@ -149,17 +149,26 @@ class ShardedWriter(checkpoint.BackgroundWrite):
         self._writer: Any = (
             None  # one FileSystemWriter for every save: it keeps the staging buffers
         )
+        self.phases: dict[str, float] = {}
+        """Seconds the last `submit` held the loop, by phase: `previous` (the write before
+        it, and the gloo group at the first save), `state_dict` (get_state_dict), `start`
+        (a barrier, the temporary directory), `async_save` (DCP's staging into host
+        memory, pinned buffers allocated at the first save on a GPU; its planning)."""
 
     def submit(self, run_dir: Path, step: int, model, optimizer, rest: dict, is_main: bool,
                barrier, keep: int) -> Path:  # fmt: skip
+        clock = [time.perf_counter()]  # the start, then each phase's end (self.phases)
         self.wait()  # one write at a time
         import torch.distributed as dist
 
         if self._group is None:  # every rank saves at the same step: a collective is safe here
             self._group = dist.new_group(backend="gloo")
+        clock.append(time.perf_counter())
         tensors, extra = _prepare(model, optimizer, rest)
+        clock.append(time.perf_counter())
         final, tmp = _start(run_dir, step, is_main, barrier)
         t0 = time.perf_counter()
+        clock.append(t0)
         try:
             if self._writer is None:
                 # Staging into pinned host buffers kept from save to save (on a GPU host):
@@ -170,6 +179,9 @@ class ShardedWriter(checkpoint.BackgroundWrite):
                                  process_group=self._group)  # fmt: skip
         except BaseException as e:
             raise _failed(e, tmp, final, is_main) from None
+        clock.append(time.perf_counter())
+        names = ("previous", "state_dict", "start", "async_save")
+        self.phases = {name: b - a for name, a, b in zip(names, clock, clock[1:], strict=False)}
         upload: Any = getattr(got, "upload_completion", got)  # a Future, or a response holding it
 
         def finish() -> None:
