@@ -10,6 +10,7 @@ import io
 import json
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -54,7 +55,11 @@ def test_fsdp2_checkpoints_are_sharded_and_reshard_from_2_to_1_to_2_ranks(small_
     shards = [f"__{rank}_{i}.distcp" for rank in (0, 1) for i in range(threads)]
     assert files == [".metadata", *shards, "state.pt"], files
     # Written in the background by default (DCP's async_save), as single-file checkpoints are.
-    assert "(sharded, written in the background;" in (run / "train.log").read_text()
+    log = (run / "train.log").read_text()
+    assert "(sharded, written in the background;" in log
+    # The line says where the loop's wait went (ShardedWriter.phases).
+    assert re.search(r"the loop waited [\d.]+s, previous [\d.]+s, state_dict [\d.]+s, "
+                     r"start [\d.]+s, async_save [\d.]+s\)", log), log[-2000:]  # fmt: skip
     before = step_losses(run)
     out = _leg(small_corpus, tmp_path, "dcp", 1, "--fsdp", "--halt_after", "2")
     assert "resuming a run saved on 2 rank(s) on 1" in out and "at step 4" in out, out[-2000:]

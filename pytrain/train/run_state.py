@@ -55,8 +55,12 @@ def save(t) -> None:
                 checkpoint.prune(t.run_dir, t.cfg.keep_ckpts)
         if t.dist.is_main:
             how = "sharded, written in the background" if t.cfg.ckpt_async else "sharded"
+            # Where the wait went, on this rank (ShardedWriter.phases): a long first save
+            # at 8B is told apart as state dict, barrier or staging into host memory.
+            phases = getattr(t.ckpt_writer, "phases", {}) if t.cfg.ckpt_async else {}
+            parts = "".join(f", {k} {v:.3f}s" for k, v in phases.items())
             t.log.text(
-                f"checkpoint {path} ({how}; the loop waited {time.perf_counter() - t0:.3f}s)"
+                f"checkpoint {path} ({how}; the loop waited {time.perf_counter() - t0:.3f}s{parts})"
             )
         return
     state = collect(t)
