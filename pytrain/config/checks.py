@@ -124,15 +124,21 @@ def check_choices(cfg: TrainConfig) -> None:
         raise ConfigError(str(e)) from None
 
 
+SELECTIVE = "selective"
+"""activation_checkpointing's per-op policy: every block recomputed in the backward, its
+attention and matmul outputs kept from the forward (pytrain.model.selective_ac)."""
+
+
 def checkpoint_every(spec: str) -> int:
-    """activation_checkpointing as the blocks' stride: 'off' 0, 'full' 1, 'every-N' N;
-    ConfigError for anything else."""
-    if spec in ("off", "full"):
-        return int(spec == "full")
+    """activation_checkpointing as the blocks' stride: 'off' 0, 'full' and 'selective' 1
+    (every block; SELECTIVE says what the latter keeps), 'every-N' N; ConfigError for
+    anything else."""
+    if spec in ("off", "full", SELECTIVE):
+        return int(spec != "off")
     if spec.startswith("every-") and spec[6:].isdigit() and int(spec[6:]) > 0:
         return int(spec[6:])
     raise ConfigError(
-        f"activation_checkpointing is {spec!r}; expected off, full or every-N (N >= 1)"
+        f"activation_checkpointing is {spec!r}; expected off, full, {SELECTIVE} or every-N (N >= 1)"
     )
 
 

@@ -111,7 +111,9 @@ class TrainConfig:
     shape comes from it (the preset's speed settings stay); optimizer and schedule start
     fresh. A run that resumes from its own checkpoint continues from that instead."""
     activation_checkpointing: str = "off"
-    """'off', 'full', or 'every-N' (every N-th block)."""
+    """'off', 'full' (every block recomputes its forward in the backward), 'every-N' (every
+    N-th block), or 'selective' (every block, keeping its attention and matmul outputs and
+    recomputing only the cheap ops between them: pytrain.model.selective_ac)."""
     fsdp: bool | None = None
     """Under torchrun: shard parameters, gradients and optimizer state with FSDP2 (--fsdp),
     replicate the model on every rank (--no-fsdp), or unset (auto): FSDP2 where the training

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pytrain.config import ConfigError
-from pytrain.model import flash4, fused_ce, fused_gelu, fused_swiglu, quack_swiglu
+from pytrain.config import SELECTIVE, ConfigError, checkpoint_every
+from pytrain.model import flash4, fused_ce, fused_gelu, fused_swiglu, quack_swiglu, selective_ac
 from pytrain.model.config import ModelConfig
 
 __all__ = ["GPT", "ModelConfig", "document_mask"]
@@ -217,8 +217,21 @@ class Block(nn.Module):
         self.attn = Attention(cfg)
         self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg)
+        # checkpoint()'s options where training recomputes this block's forward in the
+        # backward, else None (GPT.set_activation_checkpointing).
+        self.recompute: dict | None = None
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None = None):
+        if self.training and self.recompute is not None:
+            # Inside the block's forward, not around its call: FSDP2's hooks on the block
+            # (Dynamo may not trace them) stay outside the checkpointed region, which
+            # torch.compile then traces whole; a hook inside made it run the region eagerly.
+            return checkpoint(
+                self.compute, x, cos, sin, mask, use_reentrant=False, **self.recompute
+            )
+        return self.compute(x, cos, sin, mask, cache)
+
+    def compute(self, x, cos, sin, mask, cache: KVCache | None = None):
         x = x + self.attn(self.norm1(x), cos, sin, mask, cache)
         return x + self.mlp(self.norm2(x))
 
@@ -238,7 +251,6 @@ class GPT(nn.Module):
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_base, cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.checkpoint_every = 0  # set by set_activation_checkpointing
         self.apply(self._init)
         for name, p in self.named_parameters():
             if name.endswith(("proj.weight", "down.weight")):
@@ -250,9 +262,15 @@ class GPT(nn.Module):
         if isinstance(m, nn.Linear | nn.Embedding):
             nn.init.normal_(m.weight, std=0.02)
 
-    def set_activation_checkpointing(self, every: int) -> None:
-        """0: off; 1: every block ('full'); N: every N-th block. Non-reentrant."""
-        self.checkpoint_every = every
+    def set_activation_checkpointing(self, every: int | str) -> None:
+        """The run's activation_checkpointing ('off', 'full', 'selective', 'every-N'), or the
+        blocks' stride (0: off; 1: every block, 'full'; N: every N-th block). Non-reentrant;
+        'selective' keeps each block's attention and matmul outputs
+        (pytrain.model.selective_ac)."""
+        stride = checkpoint_every(every) if isinstance(every, str) else every
+        options = {"context_fn": selective_ac.context} if every == SELECTIVE else {}
+        for i, block in enumerate(self.blocks):
+            block.recompute = options if stride and i % stride == 0 else None
 
     def num_params(self, non_embedding: bool = True) -> int:
         n = sum(p.numel() for p in self.parameters())
@@ -317,10 +335,7 @@ class GPT(nn.Module):
         tables: tuple[torch.Tensor, torch.Tensor] = (self.rope_cos, self.rope_sin)  # type: ignore[assignment]
         cos, sin = (t[pos][:, :, None].to(dtype) for t in tables)
         for i, block in enumerate(self.blocks):
-            if self.training and self.checkpoint_every and i % self.checkpoint_every == 0:
-                x = checkpoint(block, x, cos, sin, mask, use_reentrant=False)
-            else:
-                x = block(x, cos, sin, mask, caches[i] if caches else None)
+            x = block(x, cos, sin, mask, caches[i] if caches else None)
         return self.norm(x)
 
     def uses_fused_ce(self, device: torch.device) -> bool:

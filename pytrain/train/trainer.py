@@ -125,7 +125,7 @@ class Trainer:
             n = float8.convert(self.gpt, cfg.model.float8, self.device)
             self.say(f"float8 ({cfg.model.float8}, torchao): {n} linear layers of the blocks")
         self.ckpt_every = checkpoint_every(cfg.activation_checkpointing)
-        self.gpt.set_activation_checkpointing(self.ckpt_every)
+        self.gpt.set_activation_checkpointing(cfg.activation_checkpointing)
         self.loss_module = LossModule(self.gpt)
         masters = keeps_masters(cfg.optim, self.device, self.precision.dtype, sharded=False)
         state = parallel.state_bytes(self.gpt, masters, cfg.optim.state_dtype)

@@ -1,0 +1,109 @@
+"""Selective activation checkpointing (`activation_checkpointing = "selective"`): every block
+is recomputed in the backward, but the outputs of its expensive ops are kept from the
+forward, so the recompute runs only the cheap ops between them.
+
+Why: recomputing a whole block ('full', 'every-N') repeats its attention and matmuls, a
+second forward (a third more FLOPs); keeping everything ('off') holds every elementwise
+op's output (RMSNorm's fp32 copies, RoPE's halves, the activation's inputs and output,
+casts). The outputs of attention and of the matmuls are what the backward needs and the
+cheap ops recompute from, so keeping those and recomputing the rest costs a few percent of
+compute and frees the memory of everything between them (torchtitan's per-op policy does
+the same).
+
+The policy is per op (`torch.utils.checkpoint.create_selective_checkpoint_contexts`): eager
+checkpointing sees each op through a dispatch mode, torch.compile tags the traced graph's
+nodes with it. Ops are named as 'namespace::name' so that one registered later (quack's, on
+import) or absent here (FA4's kernels need a GPU, quack is optional) is still recognised."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+__all__ = ["KEPT", "context", "kept", "policy"]
+
+ATTENTION = {
+    # The forward's one O(T^2) op: recomputing it would repeat the costliest kernel of the
+    # block, and its outputs (the output and the log-sum-exp) are what its backward reads.
+    "pytrain::fa4_fwd",  # FlashAttention-4 (pytrain.model.flash4)
+    "aten::_scaled_dot_product_flash_attention",
+    "aten::_scaled_dot_product_efficient_attention",
+    "aten::_scaled_dot_product_cudnn_attention",
+    "aten::_scaled_dot_product_fused_attention_overrideable",  # other accelerators' SDPA
+    "aten::_scaled_dot_product_flash_attention_for_cpu",  # CPU SDPA, with or without a mask
+    "higher_order::flex_attention",  # FlexAttention's operator
+    # SDPA's math path never reaches the policy as one op: it decomposes into bmm (kept
+    # below) and a softmax (recomputed).
+}
+MATMULS = {
+    # The block's FLOPs: each projection's output is what the cheap ops after it read
+    # (RoPE the qkv projection's, the activation the up projection's).
+    "aten::mm",
+    "aten::addmm",
+    "aten::bmm",
+    "aten::_scaled_mm",  # torchao's float8 linear layers
+    "pytrain::gelu_up",  # the GELU MLP's up projection with GELU in its epilogue (fused_gelu)
+    # quack's GEMMs: the SwiGLU MLP of pytrain.model.quack_swiglu (its up projection with
+    # the activation in its epilogue, gemm_gated_out; its down projection, gemm_out). Only a
+    # compiled graph shows them to the policy as ops that can be kept: in eager,
+    # quack-kernels 0.6.4 launches its kernels without the dispatcher, and older versions
+    # call the out-variants, which eager recomputes (`kept`); there its MLP is recomputed.
+    # pytrain::swiglu is elementwise: recomputed.
+    "quack::gemm",
+    "quack::gemm_add",
+    "quack::gemm_out",
+    "quack::gemm_act_out",
+    "quack::gemm_gated_out",
+    "quack::gemm_epi",
+    "quack::gemm_epi_f",
+}
+KEPT = ATTENTION | MATMULS
+"""The ops whose outputs selective checkpointing keeps from the forward ('namespace::name',
+every overload); every other op of a block is recomputed in the backward."""
+
+COLLECTIVES = ("_c10d_functional", "c10d_functional")
+"""Namespaces whose every op's output is kept, so that a recompute never communicates again
+(a collective inside a block: tensor parallelism, or FSDP2 traced into the graph)."""
+
+_facts: dict[Any, tuple[bool, bool]] = {}
+"""Per op: (listed in KEPT or a collective, writes into its arguments). A plain dict, not
+functools.cache: the policy asks for every op of every checkpointed block's forward."""
+
+
+def _name(op: Any) -> str:
+    """'namespace::name' of an OpOverload ('aten::mm') or a higher-order operator."""
+    name = op.name()
+    return name if "::" in name else f"{getattr(op, 'namespace', '')}::{name}"
+
+
+def _facts_of(op: Any) -> tuple[bool, bool]:
+    facts = _facts.get(op)
+    if facts is None:
+        listed = getattr(op, "namespace", "") in COLLECTIVES or _name(op) in KEPT
+        schema = getattr(op, "_schema", None)  # higher-order operators have none
+        facts = _facts[op] = (listed, schema is not None and schema.is_mutable)
+    return facts
+
+
+def kept(op: Any) -> bool:
+    """Whether selective checkpointing keeps this op's outputs (else they are recomputed).
+    An op that writes into its arguments (an out= or in-place overload, quack's GEMMs) is
+    kept only while torch.compile traces: the graph's functional form of it keeps the
+    buffers it wrote. Eager checkpointing would cache its return (nothing) and skip the
+    write on recompute, leaving the recomputed buffers unwritten."""
+    listed, writes = _facts_of(op)
+    return listed and (not writes or torch.compiler.is_compiling())
+
+
+def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """MUST_SAVE for the kept ops (torch.compile may not recompute them either),
+    PREFER_RECOMPUTE for the rest."""
+    return CheckpointPolicy.MUST_SAVE if kept(op) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def context():
+    """`torch.utils.checkpoint.checkpoint`'s context_fn: a fresh pair of contexts for each
+    checkpointed call."""
+    return create_selective_checkpoint_contexts(policy)

@@ -1,0 +1,213 @@
+"""activation_checkpointing 'selective' (pytrain.model.selective_ac): every block recomputed in
+the backward, its attention and matmul outputs kept. On CPU: the same loss and gradients as
+without checkpointing, less memory kept for the backward than without it and more than
+'full', the ops the policy keeps, and the setting's words."""
+
+import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from pytrain.config import ConfigError, TrainConfig, check_choices, checkpoint_every
+from pytrain.model import selective_ac
+from pytrain.model.gpt import GPT, ModelConfig
+
+aten = torch.ops.aten
+
+
+class KeptBytes(TorchDispatchMode):
+    """The bytes of the storages that ops create inside it and that are still alive when
+    read (`bytes()`), other than those of `existing` tensors (parameters, inputs).
+
+    Read after the forward, with the loss (and so its graph) alive: what the forward leaves
+    for the backward, wherever it is held. saved_tensors_hooks around the forward would not
+    see it: a checkpointed block packs its saves through checkpoint's own hooks (the
+    innermost win), keeps its inputs in the recompute's closure, and selective
+    checkpointing keeps its ops' outputs in a cache of its own."""
+
+    def __init__(self, existing):
+        super().__init__()
+        self.existing = {StorageWeakRef(t.untyped_storage()).cdata for t in existing}
+        self.made: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(t, torch.Tensor):
+                s = t.untyped_storage()
+                ref = StorageWeakRef(s)
+                known = self.made.get(ref.cdata)
+                if ref.cdata not in self.existing and (known is None or known[0].expired()):
+                    self.made[ref.cdata] = (ref, s.nbytes())
+        return out
+
+    def bytes(self) -> int:
+        return sum(n for ref, n in self.made.values() if not ref.expired())
+
+
+def run(policy: str, mask: bool = False, **model):
+    """Loss, gradients and bytes kept for the backward of a 2-layer GPT (seed 0, vocabulary
+    200, d_model 64) under `policy`, on one batch of 2 x 32 tokens with about a fifth masked
+    out of the loss (seed 1); with `mask`, two documents a row (SDPA with a boolean mask)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=200, n_layer=2, n_head=4, d_model=64, **model)
+    m = GPT(cfg).train()
+    m.set_activation_checkpointing(policy)
+    g = torch.Generator().manual_seed(1)
+    ids, targets = torch.randint(0, 200, (2, 2, 32), generator=g)
+    keep = torch.rand(2, 32, generator=g) > 0.2
+    docs = torch.arange(32).div(16, rounding_mode="floor").expand(2, 32) if mask else None
+    attn_mask = m.make_mask(docs, "sdpa_mask")
+    existing = [*m.parameters(), *m.buffers(), ids, targets, keep]
+    existing += [] if attn_mask is None else [attn_mask]
+    with KeptBytes(existing) as kept:
+        loss = m.loss_sum(ids, targets, None, keep, attn_mask)
+    kept_bytes = kept.bytes()
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in m.named_parameters()}, kept_bytes
+
+
+MODELS = {
+    "swiglu": {},
+    "swiglu, documents, grouped-query": {"mask": True, "n_kv_head": 2},
+    "fused swiglu": {"fused_swiglu": "on"},  # pytrain::swiglu, recomputed
+    "fused gelu": {"mlp": "gelu", "fused_gelu": "on"},  # pytrain::gelu_up, kept
+}
+
+
+@pytest.mark.parametrize("model", MODELS.values(), ids=MODELS.keys())
+def test_selective_equals_no_checkpointing_and_keeps_less(model):
+    """The loss and every gradient equal the model's without checkpointing (fp32, to
+    rounding); the forward keeps fewer bytes for the backward than without checkpointing
+    (a policy that kept every op would not) and more than 'full' (one that kept nothing
+    would not)."""
+    off, selective, full = (run(p, **model) for p in ("off", "selective", "full"))
+    torch.testing.assert_close(selective[0], off[0], rtol=1e-6, atol=0)
+    assert selective[1].keys() == off[1].keys()
+    for name, grad in off[1].items():
+        torch.testing.assert_close(selective[1][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert full[2] < selective[2] < off[2], (full[2], selective[2], off[2])
+
+
+def test_the_policy_keeps_attention_matmuls_and_collectives():
+    """What is kept, by op: attention (this CPU's SDPA, FlexAttention's operator, FA4's op),
+    matmuls (the fused GELU's up projection too), collectives; not elementwise ops, nor
+    SwiGLU's op, nor an op that writes into its arguments (eager would skip the write on
+    recompute)."""
+    import pytrain.model.fused_gelu  # noqa: F401  (registers pytrain::gelu_up)
+
+    kept = [
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+        aten._scaled_dot_product_efficient_attention.default,
+        torch.ops.higher_order.flex_attention,
+        torch.ops.pytrain.fa4_fwd.default,
+        aten.mm.default,
+        aten.addmm.default,
+        aten.bmm.default,
+        aten._scaled_mm.default,
+        torch.ops.pytrain.gelu_up.default,
+        torch.ops._c10d_functional.all_gather_into_tensor.default,
+        torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    ]
+    recomputed = [
+        aten.mul.Tensor,
+        aten.rsqrt.default,
+        aten.silu.default,
+        aten._to_copy.default,
+        aten.cat.default,
+        torch.ops.pytrain.swiglu.default,
+        aten.mm.out,
+        torch.ops._c10d_functional.all_reduce_.default,
+    ]
+    assert [op for op in kept if not selective_ac.kept(op)] == []
+    assert [op for op in recomputed if selective_ac.kept(op)] == []
+
+
+def test_selective_is_a_setting_and_a_typo_is_one_line_naming_the_choices():
+    assert checkpoint_every("selective") == checkpoint_every("full") == 1
+    cfg = TrainConfig(activation_checkpointing="selective")
+    check_choices(cfg)
+    cfg.activation_checkpointing = "selektive"
+    with pytest.raises(ConfigError) as e:
+        check_choices(cfg)
+    line = str(e.value)
+    assert "\n" not in line
+    assert line == (
+        "activation_checkpointing is 'selektive'; expected off, full, selective or every-N (N >= 1)"
+    )
+
+
+def test_compiled_selective_saves_only_kept_ops_with_a_hook_on_each_block():
+    """torch.compile of the training loss under 'selective', each block carrying a forward
+    hook that Dynamo does not trace (as FSDP2's): the checkpointed blocks are traced (a hook
+    inside the checkpointed region made Dynamo run it eagerly), the compiled forward saves
+    no output the policy leaves to recompute and some it keeps, and the loss and gradients
+    equal eager's. Backend aot_eager: AOTAutograd's partitioner, as Inductor uses it, without
+    Inductor's code generation (about 20 s more on a cold cache, with the same results)."""
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    traced, forwards, backwards = [], [], []
+
+    def keeping(graphs):
+        def compiler(gm, inputs):
+            graphs.append(gm.graph)
+            return make_boxed_func(gm.forward)
+
+        return compiler
+
+    aot = aot_autograd(
+        fw_compiler=keeping(forwards),
+        bw_compiler=keeping(backwards),
+        partition_fn=min_cut_rematerialization_partition,
+    )
+
+    def backend(gm, inputs):
+        traced.append({str(n.target) for n in gm.graph.nodes})
+        return aot(gm, inputs)
+
+    def loss_and_grads(compiled: bool):
+        torch.manual_seed(0)
+        m = GPT(ModelConfig(vocab_size=200, n_layer=2, n_head=4, d_model=64)).train()
+        m.set_activation_checkpointing("selective")
+        for block in m.blocks:
+            block.register_forward_pre_hook(torch._dynamo.disable(lambda module, args: None))
+        g = torch.Generator().manual_seed(1)
+        ids, targets = torch.randint(0, 200, (2, 2, 32), generator=g)
+        keep = torch.rand(2, 32, generator=g) > 0.2
+        loss_sum = torch.compile(m.loss_sum, backend=backend) if compiled else m.loss_sum
+        loss = loss_sum(ids, targets, None, keep, None)
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in m.named_parameters()}
+
+    eager, compiled = loss_and_grads(False), loss_and_grads(True)
+    assert any("tag_activation_checkpoint" in targets for targets in traced)
+    # What a forward saves: its outputs that its backward reads (by name), not its result.
+    read = {n.name for graph in backwards for n in graph.find_nodes(op="placeholder")}
+    outputs = [n for graph in forwards for n in graph.output_node().args[0]]
+    saved = [n for n in outputs if isinstance(n, torch.fx.Node) and n.name in read]
+    policies = [n.meta.get("recompute") for n in saved]
+    assert CheckpointPolicy.PREFER_RECOMPUTE not in policies
+    assert CheckpointPolicy.MUST_SAVE in policies
+    torch.testing.assert_close(compiled[0], eager[0], rtol=1e-6, atol=0)
+    for name, grad in eager[1].items():
+        torch.testing.assert_close(compiled[1][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_the_trainer_gives_every_block_the_policy(small_corpus, tmp_path):
+    """--activation_checkpointing selective reaches every block of the trainer's model, and
+    the compile policy hears that blocks are checkpointed (no CUDA graphs)."""
+    from pytrain.config import parse_args
+    from pytrain.train.trainer import Trainer
+
+    train, val = small_corpus
+    t = Trainer(parse_args([
+        "--data.path", str(train), "--data.val_path", str(val),
+        "--out_dir", str(tmp_path / "runs"), "--name", "t", "--no-progress",
+        "--no-tensorboard", "--model.n_layer", "3", "--model.n_head", "2",
+        "--model.d_model", "64", "--data.seq_len", "64", "--data.batch_size", "2",
+        "--activation_checkpointing", "selective",
+    ]))  # fmt: skip
+    assert [b.recompute for b in t.gpt.blocks] == [{"context_fn": selective_ac.context}] * 3
+    assert t.ckpt_every == 1
