@@ -29,12 +29,17 @@ def cfg_args(small_corpus, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2", "replicas"])
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2", "fsdp2-selective", "replicas"])
 def test_two_process_gloo_matches_single_process(small_corpus, tmp_path, wrapper):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent.parent)}
     # bf16 replicas: each rank's bf16 gradients summed in fp32, the sums all-reduced once.
     bf16 = ["--precision", "bf16", "--optim.master_weights", "on"]
-    flags = {"ddp": [], "fsdp2": ["--fsdp"], "replicas": bf16}[wrapper]
+    # fsdp2-selective: every block recomputed in the backward inside FSDP2's hooks (the
+    # checkpoint sits in Block.forward), its gradients those of one process without it.
+    selective = ["--fsdp", "--activation_checkpointing", "selective"]
+    flags = {"ddp": [], "fsdp2": ["--fsdp"], "fsdp2-selective": selective, "replicas": bf16}[
+        wrapper
+    ]
     port = next(PORTS)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
            str(Path(__file__).parent / "ddp_worker.py"), str(tmp_path), *cfg_args(small_corpus, tmp_path), *flags]  # fmt: skip
@@ -46,7 +51,7 @@ def test_two_process_gloo_matches_single_process(small_corpus, tmp_path, wrapper
         for b in ranks[1]["batches"]:
             assert not torch.equal(a["input_ids"], b["input_ids"])
     assert ranks[0]["loader_state"] == ranks[1]["loader_state"]  # one state for every rank
-    assert ranks[0]["plan"] == wrapper
+    assert ranks[0]["plan"] == wrapper.removesuffix("-selective")
     # All-reduced gradients are the same on both ranks ...
     assert ranks[0]["grads"].keys() == ranks[1]["grads"].keys()
     for name, g0 in ranks[0]["grads"].items():
