@@ -7,6 +7,7 @@ import math
 import torch
 from torch import nn
 
+from pytrain.model import float8
 from pytrain.optim.adamw import fused_step, grad_norm
 from pytrain.optim.master_adamw import MasterAdamW
 
@@ -34,6 +35,8 @@ class OptimizerStep:
         self.sharded = sharded
         self.grad_clip = grad_clip
         self.master = isinstance(optimizer, MasterAdamW)
+        # FSDP2 with float8 all-gathers: the weights' scales after each update.
+        self.after_update = float8.scale_updater(model)
 
     @property
     def masters(self) -> MasterAdamW:
@@ -96,6 +99,8 @@ class OptimizerStep:
             bad = self._scaler_step(bad, loss, norm)
         elif not bool(bad):
             self.optimizer.step()
+            if self.after_update is not None:
+                self.after_update()
         return norm, bad, ema_before
 
     def _scaler_step(self, bad, loss, norm) -> torch.Tensor:

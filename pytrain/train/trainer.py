@@ -121,15 +121,15 @@ class Trainer:
         cfg = self.cfg
         vocab = self.loader.dataset.vocab_size or 0  # from the manifest, via the extension
         self.gpt = initial_weights.build(cfg, vocab, self.say).to(self.device)
-        if cfg.model.float8 != "off":
-            n = float8.convert(self.gpt, cfg.model.float8, self.device)
-            self.say(f"float8 ({cfg.model.float8}, torchao): {n} linear layers of the blocks")
         self.ckpt_every = checkpoint_every(cfg.activation_checkpointing)
         self.gpt.set_activation_checkpointing(cfg.activation_checkpointing)
         self.loss_module = LossModule(self.gpt)
         masters = keeps_masters(cfg.optim, self.device, self.precision.dtype, sharded=False)
         state = parallel.state_bytes(self.gpt, masters, cfg.optim.state_dtype)
         self.plan = parallel.choose(cfg, self.dist, self.device, state, masters)
+        if cfg.model.float8 != "off":  # after the plan: FSDP2 all-gathers in float8
+            n = float8.convert(self.gpt, cfg.model.float8, self.device, self.plan.sharded)
+            self.say(f"float8 ({cfg.model.float8}, torchao): {n} linear layers of the blocks")
         self.module = parallel.wrap(self.loss_module, self.plan, self.device, self.precision.dtype)
         self.sharded = self.plan.sharded  # FSDP2: ranks hold shards of each parameter
 
