@@ -11,13 +11,14 @@ read like every checkpoint file with the weights-only unpickler. It is written u
 temporary name and renamed into place once complete, as single-file checkpoints are; with
 ckpt_async (the default) in the background, as single-file checkpoints are (`ShardedWriter`).
 
-Loading never runs code: DCP reads `.metadata` with Python's pickle, so `SafeReader` reads it
+Loading never runs code: DCP reads `.metadata` with Python's pickle, so `safe_reader` reads it
 with an unpickler that rebuilds DCP's metadata classes, torch sizes, dtypes and layouts, and
 paths, and refuses anything else; entries stored as pickled bytes (DCP's way for non-tensor
 values, which these checkpoints never hold) are refused too."""
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import re
@@ -28,8 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from pytrain.config import ConfigError
 from pytrain.train import checkpoint, disk
@@ -72,35 +71,56 @@ class _MetadataUnpickler(pickle.Unpickler):
         return found
 
 
-class SafeReader(dcp.FileSystemReader):
-    """DCP's file reader with `.metadata` read by _MetadataUnpickler."""
+def _dcp():
+    """torch.distributed.checkpoint, imported where a sharded checkpoint is written or read:
+    at import it costs a trainer process over half a second, which runs without FSDP2 never
+    need."""
+    import torch.distributed.checkpoint as dcp
 
-    def read_metadata(self, *args, **kwargs):
-        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta
+    return dcp
 
-        path = Path(self.path) / ".metadata"
-        try:
-            with open(path, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-        except pickle.UnpicklingError as e:
-            raise UnsafeShards(
-                f"{path}: refused to load: it holds {e}, which unpickling would call; a "
-                "pytrain checkpoint holds tensors and plain values only (nothing was run)"
-            ) from None
-        pickled = [
-            k
-            for k, v in metadata.state_dict_metadata.items()
-            if isinstance(v, BytesStorageMetadata)
-        ]
-        if pickled:
-            raise UnsafeShards(
-                f"{path}: refused to load: {pickled[0]} is stored as pickled bytes, which "
-                "loading would unpickle; a pytrain checkpoint holds tensors only there"
-            )
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+
+@functools.cache
+def _safe_reader_class() -> type:
+    """DCP's file reader with `.metadata` read by _MetadataUnpickler (defined on first use,
+    as DCP is imported then)."""
+
+    class SafeReader(_dcp().FileSystemReader):
+        """DCP's file reader with `.metadata` read by _MetadataUnpickler."""
+
+        def read_metadata(self, *args, **kwargs):
+            from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta
+
+            path = Path(self.path) / ".metadata"
+            try:
+                with open(path, "rb") as f:
+                    metadata = _MetadataUnpickler(f).load()
+            except pickle.UnpicklingError as e:
+                raise UnsafeShards(
+                    f"{path}: refused to load: it holds {e}, which unpickling would call; a "
+                    "pytrain checkpoint holds tensors and plain values only (nothing was run)"
+                ) from None
+            pickled = [
+                k
+                for k, v in metadata.state_dict_metadata.items()
+                if isinstance(v, BytesStorageMetadata)
+            ]
+            if pickled:
+                raise UnsafeShards(
+                    f"{path}: refused to load: {pickled[0]} is stored as pickled bytes, which "
+                    "loading would unpickle; a pytrain checkpoint holds tensors only there"
+                )
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader
+
+
+def safe_reader(path: Path):
+    """A reader of the sharded checkpoint at `path` that never unpickles code."""
+    return _safe_reader_class()(str(path))
 
 
 class UnsafeShards(ConfigError):
@@ -124,8 +144,8 @@ def save(run_dir: Path, step: int, model, optimizer, rest: dict, is_main: bool, 
     tensors, extra = _prepare(model, optimizer, rest)
     final, tmp = _start(run_dir, step, is_main, barrier)
     try:
-        writer = dcp.FileSystemWriter(str(tmp), sync_files=True, thread_count=threads)
-        dcp.save(tensors, storage_writer=writer)
+        writer = _dcp().FileSystemWriter(str(tmp), sync_files=True, thread_count=threads)
+        _dcp().save(tensors, storage_writer=writer)
         if is_main:
             _finish(run_dir, tmp, final, extra)
     except BaseException as e:
@@ -173,9 +193,9 @@ class ShardedWriter(checkpoint.BackgroundWrite):
             if self._writer is None:
                 # Staging into pinned host buffers kept from save to save (on a GPU host):
                 # the loop waits for a device-to-host copy, not for allocating 1-50 GB.
-                self._writer = dcp.FileSystemWriter(str(tmp), sync_files=True, thread_count=WRITER_THREADS,
+                self._writer = _dcp().FileSystemWriter(str(tmp), sync_files=True, thread_count=WRITER_THREADS,
                                                     cache_staged_state_dict=torch.cuda.is_available())  # fmt: skip
-            got = dcp.async_save(tensors, checkpoint_id=str(tmp), storage_writer=self._writer,
+            got = _dcp().async_save(tensors, checkpoint_id=str(tmp), storage_writer=self._writer,
                                  process_group=self._group)  # fmt: skip
         except BaseException as e:
             raise _failed(e, tmp, final, is_main) from None
@@ -200,6 +220,8 @@ class ShardedWriter(checkpoint.BackgroundWrite):
 
 def _prepare(model, optimizer, rest: dict) -> tuple[dict, dict]:
     """(the tensors DCP writes, what state.pt holds)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     model_sd, optim_sd = get_state_dict(model, optimizer)
     tensors = {"model": _tensors_only(model_sd, "model"),
                "optimizer": _tensors_only(optim_sd["state"], "optimizer.state")}  # fmt: skip
@@ -253,22 +275,24 @@ def _failed(e: BaseException, tmp: Path, final: Path, is_main: bool) -> BaseExce
 def load(path: Path, model, optimizer, param_groups) -> None:
     """Loads a sharded checkpoint's model and optimizer state into `model` (FSDP2 or whole)
     and `optimizer`, each rank reading the chunks of its own shards."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
     # get_state_dict gives a fresh optimizer its state (zeros, by a step with zero
     # gradients), so every tensor the checkpoint holds has a place to be read into.
     checked_reader(path)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     want: dict = {"model": model_sd, "optimizer": optim_sd["state"]}
-    dcp.load(want, storage_reader=SafeReader(str(path)))  # fills the tensors in place
+    _dcp().load(want, storage_reader=safe_reader(path))  # fills the tensors in place
     set_state_dict(
         model, optimizer, model_state_dict=model_sd,
         optim_state_dict={"state": want["optimizer"], "param_groups": param_groups},
     )  # fmt: skip
 
 
-def checked_reader(path: Path) -> SafeReader:
+def checked_reader(path: Path):
     """Reads the metadata once here, so a refused one says so in its own line (inside
     dcp.load the reason would come wrapped in DCP's error)."""
-    reader = SafeReader(str(path))
+    reader = safe_reader(path)
     reader.read_metadata()
     return reader
 
@@ -279,5 +303,5 @@ def load_model(path: Path, model: torch.nn.Module) -> None:
     want = {"model": model.state_dict()}
     with warnings.catch_warnings():  # DCP warns that one process is assumed: it is meant
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(want, storage_reader=SafeReader(str(path)), no_dist=True)
+        _dcp().load(want, storage_reader=safe_reader(path), no_dist=True)
     model.load_state_dict(want["model"])
