@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import sysconfig
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,10 @@ STDLIB = Path(sysconfig.get_paths()["stdlib"])
 # every process, puts several times more threads than cores to work).
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# The trainer's signing key (pytrain.train.signing) in a folder of this test run, not in the
+# user's ~/.config: the tests and the processes they start share it.
+os.environ.setdefault("PYTRAIN_CONFIG_DIR", tempfile.mkdtemp(prefix="pytrain-test-config-"))
 
 
 def _free_ports():
