@@ -4,7 +4,7 @@ with torchtitan, in one command.
     PYTHONPATH=$PWD python benchmarks/titan.py --titan-site DIR [--tokenizer tokenizer.json] \
         [--text corpus.jsonl] [--seq 2048,4096] [--steps 40]
     PYTHONPATH=$PWD python benchmarks/titan.py --titan-site DIR --shape 8b --gpus 4 \
-        --seq 8192 --rows 1 --accum 4 --steps 10
+        --seq 8192 --rows 1 --accum 2 --steps 10 [--ours-ac every-2,selective]
 
 DIR holds torchtitan and its dependencies as pinned in benchmarks/titan.requirements.txt
 (`pip install --no-deps --target DIR` of those wheels; the GPU hosts have no network).
@@ -19,7 +19,7 @@ embeddings, so its model has 262M parameters more than ours (configs/llama-1b.to
 as Llama-3.2-1B does). --shape 8b takes its own 8B flavor (Llama-3.1-8B's shape, as
 configs/llama-8b.toml), both sides under torchrun over --gpus GPUs with FSDP2, torchtitan
 with its 8B recipe's selective activation checkpointing (per op) and ours with the preset's
-(--ours-flags changes it); its float8 runs as its recipes set them, the weights all-gathered
+(--ours-ac runs ours with each of several); its float8 runs as its recipes set them, the weights all-gathered
 in float8 with precomputed scales. Ours trains on synthetic ids at the same vocabulary (128256) through
 the real loader: tokens/s do not depend on the text.
 
@@ -45,6 +45,7 @@ of its own side's bf16 run, e.g. `--quality --steps 300`."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
 import shlex
@@ -293,6 +294,10 @@ def main() -> int:
     p.add_argument("--accum", type=int, default=4, help="micro-batches per optimizer step")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--runs", default=",".join(RUNS), help="which runs, comma-separated (default: all six)")  # fmt: skip
+    p.add_argument("--ours-ac", default="",
+                   help="activation checkpointing policies to run each of ours with, comma-"
+                   "separated (e.g. every-2,selective): one row each, named so; default: the "
+                   "preset's")  # fmt: skip
     p.add_argument("--ours-flags", default="",
                    help="trainer flags added to every run of ours, one shell string "
                    "(e.g. \"--model.fused_swiglu on\")")  # fmt: skip
@@ -306,6 +311,8 @@ def main() -> int:
                    "document held out, the validation loss at the last step (--steps); each side's "
                    "float8 run against its bf16 run (goal: within 1%%)")  # fmt: skip
     args = p.parse_args()
+    if args.ours_ac and args.quality:
+        p.error("--ours-ac and --quality: the quality table pairs one run of each kind")
     shape = SHAPES[args.shape]
     print(machine_line(), flush=True)
     work = args.work
@@ -339,14 +346,18 @@ def main() -> int:
     wanted = {w.strip() for w in args.runs.split(",")}
     for seq in (int(s) for s in args.seq.split(",")):
         r = results[seq] = {}
-        for name, extra in ours_runs.items():
+        policies = [a.strip() for a in args.ours_ac.split(",") if a.strip()] or [None]
+        for (name, extra), ac in itertools.product(ours_runs.items(), policies):
             if f"ours {name}" not in wanted:
                 continue
-            r[f"ours {name}"] = run_ours(
-                work, shape, args.gpus, seq, args.rows, args.accum, args.steps, name,
-                [*extra, *shlex.split(args.ours_flags)], ours_text,
+            label = f"ours {name}" + (f" ({ac})" if ac else "")
+            ac_flags = ["--activation_checkpointing", ac] if ac else []
+            r[label] = run_ours(
+                work, shape, args.gpus, seq, args.rows, args.accum, args.steps,
+                label.removeprefix("ours ").replace(" (", "-").rstrip(")"),
+                [*extra, *ac_flags, *shlex.split(args.ours_flags)], ours_text,
             )  # fmt: skip
-            print(f"[{seq}] ours {name}: {r[f'ours {name}']}", flush=True)
+            print(f"[{seq}] {label}: {r[label]}", flush=True)
         for name, fp8 in titan_runs.items():
             if f"torchtitan {name}" not in wanted:
                 continue
@@ -403,7 +414,7 @@ def main() -> int:
             names = [k for k in ok if k.startswith(side)]
             return max(names, key=lambda k: ok[k]["tokens_per_s"]) if names else None
 
-        for label, a, b in (("bf16 vs bf16", "ours bf16", "torchtitan bf16"),
+        for label, a, b in (("bf16 vs bf16", best("ours bf16"), "torchtitan bf16"),
                             ("best vs best", best("ours"), best("torchtitan"))):  # fmt: skip
             ratio = (
                 f"{ok[a]['tokens_per_s'] / ok[b]['tokens_per_s']:.2f}x"
