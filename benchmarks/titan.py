@@ -19,9 +19,9 @@ embeddings, so its model has 262M parameters more than ours (configs/llama-1b.to
 as Llama-3.2-1B does). --shape 8b takes its own 8B flavor (Llama-3.1-8B's shape, as
 configs/llama-8b.toml), both sides under torchrun over --gpus GPUs with FSDP2, torchtitan
 with its 8B recipe's selective activation checkpointing (per op) and ours with the preset's
-(--ours-ac runs ours with each of several); its float8 runs as its recipes set them, the weights all-gathered
-in float8 with precomputed scales. Ours trains on synthetic ids at the same vocabulary (128256) through
-the real loader: tokens/s do not depend on the text.
+(--ours-ac runs ours with each of several); its float8 runs as its recipes set them, the
+weights all-gathered in float8 with precomputed scales. Ours trains on synthetic ids at the
+same vocabulary (128256) through the real loader: tokens/s do not depend on the text.
 
 Runs, all at the same sequence length and tokens per optimizer step (`--rows` x
 `--accum` micro-batches on each GPU), compiled, activation checkpointing off at 1B: ours in bf16 (`--model.float8_head
