@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import platform
-import re
 import shutil
 import site
 import statistics
@@ -121,17 +120,6 @@ def read_steps(log: Path) -> list[dict[str, float]]:
 
 # The end of the trainer's last line on a GPU (pytrain/train/report.py, final_report):
 # "... peak GPU memory 17.8 GB (19.25 GiB reserved)".
-_PEAK = re.compile(r"peak GPU memory ([\d.]+) GB \(([\d.]+) GiB reserved\)")
-
-
-def peak_memory(stdout: str) -> tuple[float, float] | None:
-    """(GB allocated, GiB reserved) at a training run's peak, from its output's end line:
-    torch.cuda.max_memory_allocated / 1e9 and max_memory_reserved / 2**30 of rank 0's GPU
-    (the first such line); None where there is none (a CPU run, a run that failed)."""
-    m = _PEAK.search(stdout)
-    return (float(m.group(1)), float(m.group(2))) if m else None
-
-
 def python_sources(max_bytes: int) -> Iterator[tuple[str, str]]:
     """Real text present on every machine that ran `make setup`: (path, text) of the Python
     sources of the standard library (tests included), then of the installed packages

@@ -31,10 +31,9 @@ from benchmarks.harness import (  # noqa: E402
     machine_line,
     markdown_table,
     median_steady,
-    peak_memory,
     read_steps,
 )
-from pytrain.train.cli import read_fallbacks, read_start_line  # noqa: E402
+from pytrain.train.cli import read_fallbacks, read_peak_memory, read_start_line  # noqa: E402
 
 
 def synthetic_dataset(path: Path, docs: int) -> Path:
@@ -89,7 +88,7 @@ def run_ours(
     rows, skip = read_steps(out / name / "train.log"), min(50, steps // 3)
     if median_steady(rows, "tok/s", skip) is None:
         return {"name": name, "error": f"no step after step {skip} in train.log"}
-    allocated, reserved = peak_memory(r.stdout) or (float("nan"), float("nan"))
+    allocated, reserved = read_peak_memory(r.stdout) or (float("nan"), float("nan"))
     return {
         "name": name,
         "tokens_per_s": median_steady(rows, "tok/s", skip),

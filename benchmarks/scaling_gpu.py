@@ -55,10 +55,10 @@ from benchmarks.harness import (  # noqa: E402
     machine_line,
     markdown_table,
     median_steady,
-    peak_memory,
     read_for,
     read_steps,
 )
+from pytrain.train.cli import read_peak_memory  # noqa: E402
 
 Launch = tuple[list[str], dict[str, str]]
 """A process to start: its command and the environment variables it sets."""
@@ -160,7 +160,7 @@ def run(n: int, args, data: Path, fsdp: bool, profile: bool, agents: int = 1) ->
     warm = max(3, args.steps // 3)
     measured = [x for x in steps if x["step"] not in skip]
     tokens_per_s = median_steady(measured, "tok/s", warm)
-    peak = peak_memory(stdout)
+    peak = read_peak_memory(stdout)
     accum = re.search(r"gradient accumulation: (\d+) micro-batches", stdout)
     summary = out / name / "profile" / "summary.md"
     return {

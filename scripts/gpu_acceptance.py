@@ -63,7 +63,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from pytrain.model.hf import LOGITS_TOLERANCE  # noqa: E402
-from pytrain.train.cli import read_fallbacks, read_start_line  # noqa: E402
+from pytrain.train.cli import read_fallbacks, read_peak_memory, read_start_line  # noqa: E402
 from pytrain.train.metrics import read_step_lines  # noqa: E402
 
 PY = sys.executable
@@ -453,11 +453,11 @@ def figures(work: Path, row: Row) -> str:
     (the step lines' `reserved_gib`: what must fit)."""
     lines = read_step_lines(train_log(work / "runs" / row.name))
     speed = sorted(x["tok/s"] for x in lines[-5:])
-    peak = re.findall(r"peak GPU memory ([\d.]+) GB", (work / f"{row.name}-2.log").read_text())
+    peak = read_peak_memory((work / f"{row.name}-2.log").read_text())
     reserved = max((x.get("reserved_gib", 0.0) for x in lines), default=0.0)
     text = (f"{speed[len(speed) // 2]:,.0f} tok/s (median of the last {len(speed)} lines)"
             if speed else "no tok/s")  # fmt: skip
-    text += f", peak {peak[-1]} GB allocated" if peak else ""
+    text += f", peak {peak[0]} GB allocated" if peak else ""
     return text + (f", {reserved:.1f} GiB reserved" if reserved else "")
 
 

@@ -182,3 +182,18 @@ def test_a_mixture_from_the_command_line_trains_without_the_embedded_default(
     assert r.returncode == 0, r.stderr[-2000:]
     assert "embedded default" not in r.stdout and "done: 2 steps" in r.stdout
     assert not (tmp_path / "cache").exists()
+
+
+def test_the_end_lines_peak_memory_reads_back_as_the_report_writes_it():
+    """The scripts read the end line's peak memory (pytrain.train.cli.read_peak_memory)
+    from what final_report writes: the same words, allocated GB and reserved GiB."""
+    import inspect
+
+    from pytrain.train import report
+    from pytrain.train.cli import read_peak_memory
+
+    written = inspect.getsource(report.final_report)
+    assert 'f"; peak GPU memory {' in written and ' GB "' in written and 'GiB reserved)"' in written
+    line = "done: 40 steps, 2,621,440 tokens in 30s; peak GPU memory 8.0 GB (9.31 GiB reserved)"
+    assert read_peak_memory(line) == (8.0, 9.31)
+    assert read_peak_memory("done: 40 steps, 2,621,440 tokens in 30s; compile fallbacks 0") is None

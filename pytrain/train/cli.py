@@ -43,6 +43,18 @@ def read_fallbacks(out: str) -> list[str]:
     return [x.strip()[:160] for x in out.splitlines() if x.startswith("compile fallback")]
 
 
+PEAK_LINE = re.compile(r"peak GPU memory ([\d.]+) GB \(([\d.]+) GiB reserved\)")
+"""The end line's peak memory (pytrain.train.report.final_report)."""
+
+
+def read_peak_memory(out: str) -> tuple[float, float] | None:
+    """(GB allocated, GiB reserved) at a run's peak, from its output's end line:
+    torch.cuda.max_memory_allocated / 1e9 and max_memory_reserved / 2**30 of rank 0's GPU
+    (the first such line); None where there is none (a CPU run, a run that failed)."""
+    m = PEAK_LINE.search(out)
+    return (float(m.group(1)), float(m.group(2))) if m else None
+
+
 def apply_env_guards(cfg) -> None:
     """What `python -m pytrain.train` sets before torch is imported, unless
     --compile.safe_env is off: Inductor's environment guards (env_guards) and its cache
