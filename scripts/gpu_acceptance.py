@@ -541,13 +541,13 @@ take a few minutes): a hung job is stopped and the row fails."""
 def two_agent_args(train: Path, cache: Path) -> list[str]:
     """configs/llama-1b.toml under FSDP2 (fsdp_shard_size auto: a node's, here an agent's, 2
     ranks; the 2 agents replicas), shortened; checkpoints written in the loop, and
-    deterministic kernels so that the resumed job can equal the uninterrupted one: with
-    FlexAttention, as FA4's backward (what auto takes on Hopper) sums dQ with atomic adds,
-    in an order that may change from one run to the next."""
+    deterministic kernels so that the resumed job can equal the uninterrupted one (FA4's
+    backward, what attention auto takes on Hopper, then sums its gradients in a fixed
+    order: pytrain.model.flash4)."""
     return ["--config", "configs/llama-1b.toml", "--fsdp", "--data.path", str(train),
             "--compile.cache_dir", str(cache), "--samples", "0", "--log_every", "1",
             "--eval_every", "0", "--ckpt_every", str(AGENT_CKPT), "--keep_ckpts", "1",
-            "--no-ckpt_async", "--deterministic", "--model.attention", "flex"]  # fmt: skip
+            "--no-ckpt_async", "--deterministic"]  # fmt: skip
 
 
 def agents_cmd(work: Path, name: str, args: list[str], port: int | str) -> list[str]:

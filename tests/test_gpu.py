@@ -128,6 +128,33 @@ def test_fa4_segments_equal_document_masked_sdpa():
         torch.testing.assert_close(x1.grad.float(), x2.grad, atol=5e-2, rtol=5e-2)
 
 
+@needs_fa4
+def test_fa4_backward_repeats_bit_for_bit_in_deterministic_mode():
+    """Under torch.use_deterministic_algorithms (the trainer's --deterministic) FA4's
+    backward sums its gradients in a fixed order: two backward passes of the same inputs
+    give identical gradients, over documents and grouped-query heads."""
+    from pytrain.model import flash4
+
+    B, T, H, KV, D = 2, 2048, 8, 2, 128
+    cu = torch.tensor([0, 700, 2048, 3000, 4096], device="cuda", dtype=torch.int32)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(B, T, h, D, device="cuda", dtype=torch.bfloat16, generator=g)
+               for h in (H, KV, KV))  # fmt: skip
+    dout = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        grads = []
+        for _ in range(2):
+            xs = [x.clone().requires_grad_() for x in (q, k, v)]
+            flash4.attention(*xs, flash4.Segments(cu, T)).backward(dout)
+            grads.append([x.grad for x in xs])
+    finally:
+        torch.use_deterministic_algorithms(was)
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
+
+
 def compiled_matches_masked(attention: str, **model) -> None:
     """A 2-layer GPT (seed 0) with `attention` under torch.compile gives the loss and
     gradients of the same weights with the SDPA document mask (eager), on 4 x 512 tokens

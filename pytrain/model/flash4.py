@@ -123,6 +123,10 @@ def _bwd(
         cu_seqlens_k=cu,
         max_seqlen_q=max_seqlen if cu is not None else None,
         max_seqlen_k=max_seqlen if cu is not None else None,
+        # Its gradients are summed across blocks with atomic adds, in an order that can
+        # change from run to run; under `--deterministic` (torch's deterministic mode) in a
+        # fixed order (semaphores), so that a resumed run can equal an uninterrupted one.
+        deterministic=torch.are_deterministic_algorithms_enabled(),
     )
     return dq, dk, dv
 
