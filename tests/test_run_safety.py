@@ -540,6 +540,11 @@ def test_the_out_of_memory_line_names_the_settings_of_the_phase(monkeypatch):
     in_step = line(refused, cfg, 12)
     assert "at step 12, micro-batches of 8 x" in in_step and "intact" in in_step
     assert "(now 8; the gradient accumulation grows" in in_step
+    assert "--activation_checkpointing selective, every-2 or full (now off;" in in_step
+    halfway = parse_args(["--data.batch_size", "8", "--activation_checkpointing", "every-2"])
+    assert "--activation_checkpointing full (now every-2;" in line(refused, halfway, 3)
+    everything = parse_args(["--data.batch_size", "8", "--activation_checkpointing", "full"])
+    assert "--activation_checkpointing" not in line(refused, everything, 3)
     explicit = parse_args(["--data.batch_size", "8", "--optim.grad_accum", "4"])
     assert "a larger --optim.grad_accum keeps the step's tokens" in line(refused, explicit, 3)
     assert "expandable_segments" not in in_step  # the GPU's allocator only

@@ -76,9 +76,10 @@ def line(e: BaseException, cfg, step: int | None) -> str:
                 else "a larger --optim.grad_accum keeps the step's tokens"
             )
             fixes.append(f"a smaller --data.batch_size (now {d.batch_size}; {keep})")
-        if cfg.activation_checkpointing != "full":
+        if (ac := cfg.activation_checkpointing) != "full":  # what recomputes more than now
+            more = "selective, every-2 or full" if ac == "off" else "full"
             fixes.append(
-                "--activation_checkpointing full or every-2 (blocks recompute their activations)"
+                f"--activation_checkpointing {more} (now {ac}; blocks recompute their activations)"
             )
         if d.batch_size == 1:
             fixes.append(f"a shorter --data.seq_len (now {d.seq_len})")
