@@ -57,7 +57,7 @@ def save(t) -> None:
             how = "sharded, written in the background" if t.cfg.ckpt_async else "sharded"
             # Where the wait went, on this rank (ShardedWriter.phases): a long first save
             # at 8B is told apart as state dict, barrier or staging into host memory.
-            phases = getattr(t.ckpt_writer, "phases", {}) if t.cfg.ckpt_async else {}
+            phases = t.ckpt_writer.phases if t.cfg.ckpt_async else {}
             parts = "".join(f", {k} {v:.3f}s" for k, v in phases.items())
             t.log.text(
                 f"checkpoint {path} ({how}; the loop waited {time.perf_counter() - t0:.3f}s{parts})"

@@ -25,6 +25,7 @@ import re
 import shutil
 import time
 import warnings
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -201,7 +202,7 @@ class ShardedWriter(checkpoint.BackgroundWrite):
             raise _failed(e, tmp, final, is_main) from None
         clock.append(time.perf_counter())
         names = ("previous", "state_dict", "start", "async_save")
-        self.phases = {name: b - a for name, a, b in zip(names, clock, clock[1:], strict=False)}
+        self.phases = {n: b - a for n, (a, b) in zip(names, pairwise(clock), strict=True)}
         upload: Any = getattr(got, "upload_completion", got)  # a Future, or a response holding it
 
         def finish() -> None:
@@ -279,10 +280,10 @@ def load(path: Path, model, optimizer, param_groups) -> None:
 
     # get_state_dict gives a fresh optimizer its state (zeros, by a step with zero
     # gradients), so every tensor the checkpoint holds has a place to be read into.
-    checked_reader(path)
+    reader = checked_reader(path)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     want: dict = {"model": model_sd, "optimizer": optim_sd["state"]}
-    _dcp().load(want, storage_reader=safe_reader(path))  # fills the tensors in place
+    _dcp().load(want, storage_reader=reader)  # fills the tensors in place
     set_state_dict(
         model, optimizer, model_state_dict=model_sd,
         optim_state_dict={"state": want["optimizer"], "param_groups": param_groups},
@@ -299,9 +300,9 @@ def checked_reader(path: Path):
 
 def load_model(path: Path, model: torch.nn.Module) -> None:
     """The model's weights only, in one process (sample, eval, export)."""
-    checked_reader(path)
+    reader = checked_reader(path)
     want = {"model": model.state_dict()}
     with warnings.catch_warnings():  # DCP warns that one process is assumed: it is meant
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        _dcp().load(want, storage_reader=safe_reader(path), no_dist=True)
+        _dcp().load(want, storage_reader=reader, no_dist=True)
     model.load_state_dict(want["model"])
