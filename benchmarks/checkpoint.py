@@ -12,8 +12,9 @@ With --fsdp, under torchrun: a preset's model sharded over the ranks as the trai
 it (FSDP2, bf16 compute; built on the meta device, each rank materialising its shards) with
 the trainer's AdamW, saved by the trainer's background writer (ShardedWriter) `--saves`
 times, an optimizer step between saves. Each save's loop hold by phase (the slowest rank's),
-when its write is done, one checkpoint's bytes on disk, the host memory pinned for staging,
-and the resume path's load into a fresh model and optimizer, whose tensors are checked
+when its copies into host memory and its write are done, one checkpoint's bytes on disk,
+the host memory the saves copy into (made ahead of the first, as in training), and the
+resume path's load into a fresh model and optimizer, whose tensors are checked
 against the saved ones (exit 1 where they differ). Llama-3.1-8B on 4 GPUs, and on the CPU:
 
     torchrun --nproc_per_node 4 benchmarks/checkpoint.py --fsdp --preset configs/llama-8b.toml --dir /tmp/ckpt-bench
@@ -223,34 +224,30 @@ def _probe(gpt, opt) -> dict[str, torch.Tensor]:
     return out
 
 
-def _pinned() -> tuple[int, float] | None:
-    """(bytes, seconds spent allocating or None) of CUDA's pinned host allocator in this
-    process, where torch says them (torch.cuda.host_memory_stats); None off CUDA."""
-    stats = getattr(torch.cuda, "host_memory_stats", None)
-    if not torch.cuda.is_available() or stats is None:
-        return None
-    got = stats()
-    if "allocated_bytes.current" not in got:
-        return None
-    micros = got.get("host_alloc_time.total")
-    return got["allocated_bytes.current"], None if micros is None else micros / 1e6
-
-
 def _rank_figures(args, cfg, info, device: torch.device, work: Path) -> dict:
-    """This rank's figures: each save's (loop held, phases, done after), the first
-    checkpoint's bytes and files (rank 0), the load's seconds, its state's bytes, what it
-    pinned, its peak RSS, and whether the loaded tensors equal the saved."""
+    """This rank's figures: each save's (loop held, phases, copies done after, write done
+    after), the host memory made ahead (bytes, pinned, seconds), the first
+    checkpoint's bytes and files (rank 0), the load's seconds, its state's bytes, its peak
+    RSS, and whether the loaded tensors equal the saved."""
     import resource
 
     import torch.distributed as dist
 
     gpt, opt = _sharded(cfg, device, seed=0, moments=True)
-    out: dict = {"state": _state_bytes(gpt, opt), "saves": [], "disk": (0, 0), "pinned": None}
-    writer = sharded_checkpoint.ShardedWriter()
+    out: dict = {"state": _state_bytes(gpt, opt), "saves": [], "disk": (0, 0)}
+    # As in training: the host memory is made in the background once the optimizer has
+    # its state (before an update), long before the first save; timed here on its own.
+    writer = sharded_checkpoint.ShardedWriter(gpt, opt)
+    t0 = time.perf_counter()
+    writer.before_update()
+    host = writer.host_memory()
+    assert host is not None, "no host memory made ahead"
+    out["host"] = (host.buffer.numel(), host.pinned, time.perf_counter() - t0)
     gen = torch.Generator(device).manual_seed(1 + dist.get_rank())
     probe: dict = {}
     for i in range(1, args.saves + 1):
         if i > 1:
+            writer.before_update()  # as the trainer's OptimizerStep does
             _step(gpt, opt, gen)
         if i == args.saves:
             probe = _probe(gpt, opt)  # what the last save holds
@@ -258,10 +255,11 @@ def _rank_figures(args, cfg, info, device: torch.device, work: Path) -> dict:
         t0 = time.perf_counter()
         path = writer.submit(work, i, gpt, opt, {"step": i}, info.is_main, dist.barrier, keep=1)
         held = time.perf_counter() - t0
+        writer.copies_done()
+        copied = time.perf_counter() - t0
         writer.wait()
-        out["saves"].append((held, dict(writer.phases), time.perf_counter() - t0))
+        out["saves"].append((held, dict(writer.phases), copied, time.perf_counter() - t0))
         if i == 1:  # before the next save's write prunes it (keep=1)
-            out["pinned"] = _pinned()
             sizes = [f.stat().st_size for f in path.iterdir()] if info.is_main else []
             out["disk"] = (sum(sizes), len(sizes))
     del gpt, opt, writer  # the staging buffers too: the resume below starts afresh
@@ -288,17 +286,16 @@ def _tables(ranks: list[dict]) -> tuple[str, str]:
     seconds, the sums of bytes."""
     saves = []
     for i in range(len(ranks[0]["saves"])):
-        held, done = (max(r["saves"][i][j] for r in ranks) for j in (0, 2))
+        held, copied, done = (max(r["saves"][i][j] for r in ranks) for j in (0, 2, 3))
         phases = {k: max(r["saves"][i][1][k] for r in ranks) for k in ranks[0]["saves"][i][1]}
         saves.append([f"save {i + 1}", f"{held:.3f}", *(f"{v:.3f}" for v in phases.values()),
-                      f"{done:.2f}"])  # fmt: skip
-    heads = ["save", "loop held", *ranks[0]["saves"][0][1], "write done after"]
-    pins = [r["pinned"] for r in ranks if r["pinned"] is not None]
-    pinned = "- (not said: no CUDA, or torch.cuda.host_memory_stats has no figure)"
-    if pins:
-        times = [s for _, s in pins if s is not None]
-        took = f", allocating {max(times):.2f} s (the slowest rank)" if times else ""
-        pinned = f"{sum(b for b, _ in pins) / 1e9:.2f} GB on all ranks{took}"
+                      f"{copied:.2f}", f"{done:.2f}"])  # fmt: skip
+    heads = ["save", "loop held", *ranks[0]["saves"][0][1], "copies done after",
+             "write done after"]  # fmt: skip
+    pinned = all(r["host"][1] for r in ranks)
+    host = (f"{sum(r['host'][0] for r in ranks) / 1e9:.2f} GB on all ranks, "
+            f"{'pinned' if pinned else 'not pinned'}, made in "
+            f"{max(r['host'][2] for r in ranks):.2f} s (the slowest rank; ahead of the saves)")  # fmt: skip
     gb = 1e9
     disk_bytes, files = ranks[0]["disk"]
     same = all(r["same"] for r in ranks)
@@ -307,7 +304,7 @@ def _tables(ranks: list[dict]) -> tuple[str, str]:
          f"{max(r['state'] for r in ranks) / gb:.2f} GB a rank"),
         ("one checkpoint on disk", f"{disk_bytes / gb:.2f} GB in {files} files"),
         ("load (resume: state.pt, then each rank's shards)", f"{max(r['load'] for r in ranks):.2f} s"),
-        ("host memory pinned for staging", pinned),
+        ("host memory the saves copy into", host),
         ("peak host memory (RSS) a rank", f"{max(r['rss'] for r in ranks) / gb:.2f} GB"),
         ("loaded state equals the saved", f"{'yes' if same else 'NO'} "
          f"({min(r['compared'] for r in ranks)} tensors a rank compared)"),

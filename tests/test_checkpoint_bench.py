@@ -25,7 +25,7 @@ def test_fsdp_mode_prints_each_save_and_loads_what_it_saved(tmp_path):
            "--dir", str(tmp_path)]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=120)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    heads = "| save | loop held | previous | state_dict | start | async_save | write done after |"
+    heads = "| save | loop held | previous | state_dict | start | host_memory | copy | copies done after | write done after |"
     assert heads in r.stdout, r.stdout
     for i in (1, 2, 3):
         row = next(line for line in r.stdout.splitlines() if line.startswith(f"| save {i} |"))

@@ -620,3 +620,42 @@ def test_async_checkpoint_snapshot_of_device_tensors(tmp_path: Path):
         saved = checkpoint.read(checkpoint.ckpt_path(tmp_path, step))
         assert torch.equal(saved["model"]["w"], want), step
         want = w.cpu()
+
+
+@needs_cuda
+def test_a_background_save_holds_the_state_at_its_step_while_the_next_update_runs(tmp_path):
+    """The sharded writer's copies into pinned host memory run on a stream of their own
+    beside training; the next update waits for them on the device (before_update). Here
+    the update follows the save at once and overwrites 1 GB of weights in place: the
+    checkpoint holds the values at the save, not a mix (without the wait it would race)."""
+    import torch.distributed as dist
+    from conftest import PORTS
+
+    from pytrain.train import sharded_checkpoint
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{next(PORTS)}", rank=0, world_size=1
+    )
+    try:
+        model = torch.nn.Sequential(*(torch.nn.Linear(8192, 8192, bias=False) for _ in range(4)))
+        model.cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=1.0)
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()  # the optimizer has its state: the host memory is made ahead
+        writer = sharded_checkpoint.ShardedWriter(model, opt)
+        writer.before_update()
+        assert writer.host_memory() is not None and writer.host_memory().pinned
+        saved = [p.detach().clone() for p in model.parameters()]
+        writer.submit(tmp_path, 1, model, opt, {"step": 1}, True, dist.barrier, keep=1)
+        writer.before_update()  # as OptimizerStep does before the update
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)  # the update, in place, queued at once
+        writer.wait()
+        fresh = torch.nn.Sequential(*(torch.nn.Linear(8192, 8192, bias=False) for _ in range(4)))
+        sharded_checkpoint.load_model(tmp_path / "ckpt-00000001", fresh)
+        for want, got in zip(saved, fresh.parameters(), strict=True):
+            assert torch.equal(want.cpu(), got.detach()), "the checkpoint holds a later value"
+    finally:
+        dist.destroy_process_group()

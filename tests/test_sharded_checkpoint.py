@@ -54,12 +54,12 @@ def test_fsdp2_checkpoints_are_sharded_and_reshard_from_2_to_1_to_2_ranks(small_
     threads = sharded_checkpoint.WRITER_THREADS  # DCP's writer threads: a file each, per rank
     shards = [f"__{rank}_{i}.distcp" for rank in (0, 1) for i in range(threads)]
     assert files == [".metadata", *shards, "state.pt"], files
-    # Written in the background by default (DCP's async_save), as single-file checkpoints are.
+    # Written in the background by default, as single-file checkpoints are.
     log = (run / "train.log").read_text()
     assert "(sharded, written in the background;" in log
     # The line says where the loop's wait went (ShardedWriter.phases).
     assert re.search(r"the loop waited [\d.]+s, previous [\d.]+s, state_dict [\d.]+s, "
-                     r"start [\d.]+s, async_save [\d.]+s\)", log), log[-2000:]  # fmt: skip
+                     r"start [\d.]+s, host_memory [\d.]+s, copy [\d.]+s\)", log), log[-2000:]  # fmt: skip
     before = step_losses(run)
     out = _leg(small_corpus, tmp_path, "dcp", 1, "--fsdp", "--halt_after", "2")
     assert "resuming a run saved on 2 rank(s) on 1" in out and "at step 4" in out, out[-2000:]
@@ -125,7 +125,7 @@ def test_a_single_file_fsdp2_checkpoint_of_the_previous_version_still_resumes(
 @pytest.mark.slow
 @pytest.mark.parametrize("writer", ["--ckpt_async", "--no-ckpt_async"])
 def test_a_sharded_checkpoint_write_that_runs_out_of_space(small_corpus, tmp_path, writer):
-    """In the background (the default: DCP's async_save, the error raised at the next wait)
+    """In the background (the default: the error raised at the next wait)
     and written in the loop."""
     run = tmp_path / "runs" / "full"
     r = _worker(small_corpus, tmp_path, "full", "dcp_full_worker.py", "--ckpt_every", "2", writer)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -37,6 +38,9 @@ class OptimizerStep:
         self.master = isinstance(optimizer, MasterAdamW)
         # FSDP2 with float8 all-gathers: the weights' scales after each update.
         self.after_update = float8.scale_updater(model)
+        # Before each update (skipped or not): a checkpoint's copies still reading the
+        # tensors it overwrites are waited for (ShardedWriter.before_update).
+        self.before_update: Callable[[], None] | None = None
 
     @property
     def masters(self) -> MasterAdamW:
@@ -81,6 +85,8 @@ class OptimizerStep:
         clipped update or its skip. With a fused AdamW (CUDA, unsharded, no GradScaler)
         clipping happens inside the optimizer and nothing waits for the device."""
         max_norm = self.grad_clip
+        if self.before_update is not None:
+            self.before_update()
         if self.replicas:
             self.masters.all_reduce_grads(self.replicas)
         fold = self.optimizer.defaults.get("fused") and not (self.sharded or self.scaler)

@@ -237,7 +237,9 @@ class BackgroundWrite:
         self._error: BaseException | None = None
         self.last: tuple[Path, float] | None = None  # (path, seconds the write took)
 
-    def _start(self, target, name: str) -> None:
+    def start(self, target, name: str) -> None:
+        """Runs `target` on a thread of its own; its error is raised by the next `wait`."""
+
         def run() -> None:
             try:
                 target()
@@ -275,7 +277,7 @@ class AsyncWriter(BackgroundWrite):
         if self._queued_copies:
             event = torch.cuda.Event()
             event.record()
-        self._start(lambda: self._write(run_dir, step, snapshot, keep, event), "ckpt-writer")
+        self.start(lambda: self._write(run_dir, step, snapshot, keep, event), "ckpt-writer")
 
     def _write(self, run_dir: Path, step: int, snapshot: dict, keep: int, event) -> None:
         t0 = time.perf_counter()

@@ -39,6 +39,19 @@ def collect(t, tensors: bool = True) -> dict:
     }
 
 
+def writer(t) -> checkpoint.BackgroundWrite:
+    """Trainer `t`'s background checkpoint writer: a sharded one under FSDP2, whose saves
+    the optimizer's updates wait for on the device, and whose host memory is made ahead
+    (ckpt_async; a run that writes in the loop needs none)."""
+    if not t.sharded:
+        return checkpoint.AsyncWriter()
+    if not t.cfg.ckpt_async:
+        return sharded_checkpoint.ShardedWriter()
+    w = sharded_checkpoint.ShardedWriter(t.gpt, t.optimizer)
+    t.opt_step.before_update = w.before_update
+    return w
+
+
 def save(t) -> None:
     """Saves Trainer `t`'s state at this step: in the background (ckpt_async; the loop goes
     on once the snapshot's copies are queued), or written here before returning. A
@@ -55,8 +68,8 @@ def save(t) -> None:
                 checkpoint.prune(t.run_dir, t.cfg.keep_ckpts)
         if t.dist.is_main:
             how = "sharded, written in the background" if t.cfg.ckpt_async else "sharded"
-            # Where the wait went, on this rank (ShardedWriter.phases): a long first save
-            # at 8B is told apart as state dict, barrier or staging into host memory.
+            # Where the wait went, on this rank (ShardedWriter.phases): state dict,
+            # barrier, waiting for the host memory, queuing the copies into it.
             phases = t.ckpt_writer.phases if t.cfg.ckpt_async else {}
             parts = "".join(f", {k} {v:.3f}s" for k, v in phases.items())
             t.log.text(

@@ -19,12 +19,14 @@ values, which these checkpoints never hold) are refused too."""
 from __future__ import annotations
 
 import functools
+import math
 import os
 import pickle
 import re
 import shutil
 import time
 import warnings
+import weakref
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -155,31 +157,161 @@ def save(run_dir: Path, step: int, model, optimizer, rest: dict, is_main: bool, 
     return final
 
 
+class HostCopies:
+    """Host memory for one rank's checkpoint tensors, kept from save to save: one buffer,
+    each tensor a view of it at an aligned offset, pinned on a GPU host by registering the
+    buffer with CUDA. Not a pinned tensor each: torch's pinned allocator rounds every
+    allocation up to a power of two, up to twice the memory (the 8B: 22 GB a rank)."""
+
+    ALIGN = 64  # bytes: every dtype's view of the buffer starts aligned
+
+    def __init__(self, layout: dict[tuple, tuple[int, torch.dtype, tuple]], pin: bool) -> None:
+        self.layout = layout
+        """Each tensor's (offset, dtype, shape), by its path in the state (`layout_of`)."""
+        end = max((o + _nbytes(d, s) for o, d, s in layout.values()), default=0)
+        self.buffer = torch.empty(max(end, 1), dtype=torch.uint8)
+        self.pinned = False
+        if pin:
+            cudart = torch.cuda.cudart()
+            ptr, size = self.buffer.data_ptr(), self.buffer.numel()
+            self.pinned = int(cudart.cudaHostRegister(ptr, size, 0)) == 0
+            if self.pinned:  # unregistered before the memory is freed (it holds the buffer)
+                weakref.finalize(self, _unregister, self.buffer)
+
+    @classmethod
+    def layout_of(cls, tensors: dict) -> dict[tuple, tuple[int, torch.dtype, tuple]]:
+        """Where each of this rank's tensors of the state goes in the buffer."""
+        layout, offset = {}, 0
+        for path, t in _leaves(tensors):
+            local = _local(t)
+            layout[path] = (offset, local.dtype, tuple(local.shape))
+            offset += -(-_nbytes(local.dtype, local.shape) // cls.ALIGN) * cls.ALIGN
+        return layout
+
+    def copy(self, tensors: dict) -> dict:
+        """`tensors` with each replaced by its copy here (DTensors keep their placement, as
+        DCP's own staging keeps it): queued on the current stream where the buffer is
+        pinned and the tensor on a GPU, else done before returning."""
+        out: dict = {}
+        for path, t in _leaves(tensors):
+            offset, dtype, shape = self.layout[path]
+            local = _local(t).detach()
+            host = self.buffer[offset : offset + _nbytes(dtype, shape)].view(dtype).view(shape)
+            queued = self.pinned and local.is_cuda
+            host.copy_(local, non_blocking=queued)
+            if queued:  # a temporary of get_state_dict stays allocated until copied
+                local.record_stream(torch.cuda.current_stream())
+            if hasattr(t, "to_local"):
+                from torch.distributed.tensor import DTensor
+
+                # DTensor.from_local would move the host copy back to the mesh's device.
+                host = DTensor(host, t._spec, requires_grad=False)
+            node = out
+            for k in path[:-1]:
+                node = node.setdefault(k, {})
+            node[path[-1]] = host
+        return out
+
+
+def _unregister(buffer: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+
+
+def _nbytes(dtype: torch.dtype, shape) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def _leaves(tree: dict, path: tuple = ()):
+    """(path, tensor) of every tensor of a nested dict of tensors, in order."""
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            yield from _leaves(v, (*path, k))
+        else:
+            yield (*path, k), v
+
+
+def _local(t) -> torch.Tensor:
+    """This rank's part of a tensor of the state (a DTensor's shard, or a plain tensor)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 class ShardedWriter(checkpoint.BackgroundWrite):
     """Sharded checkpoints written in the background (ckpt_async, as single-file ones are).
 
-    `submit` copies this rank's shards into host memory (DCP's staging) and returns; a
-    thread writes them through DCP's `async_save`, whose collectives run on a gloo group of
-    their own (never interleaved with training's), and then rank 0 writes state.pt and renames
-    the directory into place. DCP reports a failure of any rank to every rank, so `wait`
-    (before the next save, at a stop, at the end) raises it on every rank alike."""
+    `submit` queues copies of this rank's shards into host memory (`HostCopies`, kept from
+    save to save) on a stream of their own and returns; the training loop goes on, and
+    the optimizer's next update waits on the device for the copies to have read the
+    weights and moments it overwrites (`before_update`, the trainer's OptimizerStep calls
+    it). A thread then writes the copies through DCP, whose collectives run on a gloo group
+    of their own (never interleaved with training's), and rank 0 writes state.pt and
+    renames the directory into place. DCP reports a failure of any rank to every rank, so
+    `wait` (before the next save, at a stop, at the end) raises it on every rank alike.
 
-    def __init__(self) -> None:
+    The host memory (the 8B: 22 GB a rank, pinned: tens of seconds to allocate) is made in
+    the background once the optimizer has its state (`before_update`), long before the
+    first save of a run that saves every few hundred steps."""
+
+    def __init__(self, model=None, optimizer=None) -> None:
         super().__init__()
+        self._state = (model, optimizer)  # whose host memory is made ahead (None: at a save)
         self._group: Any = None  # the gloo group of DCP's collectives, made at the first save
-        self._writer: Any = (
-            None  # one FileSystemWriter for every save: it keeps the staging buffers
-        )
+        self._host: HostCopies | None = None
+        self._making: checkpoint.BackgroundWrite | None = None  # making self._host ahead
+        self._stream: Any = None  # the copies' CUDA stream
+        self._copied: Any = None  # the event the next update waits for
         self.phases: dict[str, float] = {}
         """Seconds the last `submit` held the loop, by phase: `previous` (the write before
         it, and the gloo group at the first save), `state_dict` (get_state_dict), `start`
-        (a barrier, the temporary directory), `async_save` (DCP's staging into host
-        memory, pinned buffers allocated at the first save on a GPU; its planning)."""
+        (a barrier, the temporary directory), `host_memory` (waiting for the host memory
+        made ahead, or making it), `copy` (queuing the copies into it)."""
+
+    def before_update(self) -> None:
+        """Called before each optimizer update: the device waits for the last save's copies
+        to be done reading the tensors the update overwrites (the loop does not wait); and
+        once the optimizer has its state, the host memory of the saves is made in the
+        background."""
+        if self._copied is not None:
+            torch.cuda.current_stream().wait_event(self._copied)
+            self._copied = None
+        model, optimizer = self._state
+        if model is None or self._host is not None or self._making is not None:
+            return
+        if not getattr(optimizer, "state", None):
+            return  # get_state_dict would make the state by an update of its own
+        layout = HostCopies.layout_of(_prepare(model, optimizer, {})[0])
+
+        def make() -> None:  # an error is raised in the training thread at the next save
+            self._host = HostCopies(layout, pin=torch.cuda.is_available())
+
+        self._making = checkpoint.BackgroundWrite()
+        self._making.start(make, "ckpt-host-memory")
+
+    def host_memory(self) -> HostCopies | None:
+        """The host memory of the saves, waiting for it where it is being made ahead."""
+        if self._making is not None:
+            making, self._making = self._making, None
+            making.wait()
+        return self._host
+
+    def copies_done(self) -> None:
+        """Blocks until the last save's copies into host memory are done."""
+        if self._copied is not None:
+            self._copied.synchronize()
+
+    def _host_for(self, tensors: dict) -> HostCopies:
+        """The host memory made ahead, or made now where there is none or the state's
+        layout changed."""
+        self.host_memory()
+        layout = HostCopies.layout_of(tensors)
+        if self._host is None or self._host.layout != layout:
+            self._host = None  # its memory is freed before the new one is taken
+            self._host = HostCopies(layout, pin=torch.cuda.is_available())
+        return self._host
 
     def submit(self, run_dir: Path, step: int, model, optimizer, rest: dict, is_main: bool,
                barrier, keep: int) -> Path:  # fmt: skip
         clock = [time.perf_counter()]  # the start, then each phase's end (self.phases)
-        self.wait()  # one write at a time
+        self.wait()  # one write at a time: the host memory is about to be reused
         import torch.distributed as dist
 
         if self._group is None:  # every rank saves at the same step: a collective is safe here
@@ -190,24 +322,33 @@ class ShardedWriter(checkpoint.BackgroundWrite):
         final, tmp = _start(run_dir, step, is_main, barrier)
         t0 = time.perf_counter()
         clock.append(t0)
-        try:
-            if self._writer is None:
-                # Staging into pinned host buffers kept from save to save (on a GPU host):
-                # the loop waits for a device-to-host copy, not for allocating 1-50 GB.
-                self._writer = _dcp().FileSystemWriter(str(tmp), sync_files=True, thread_count=WRITER_THREADS,
-                                                    cache_staged_state_dict=torch.cuda.is_available())  # fmt: skip
-            got = _dcp().async_save(tensors, checkpoint_id=str(tmp), storage_writer=self._writer,
-                                 process_group=self._group)  # fmt: skip
-        except BaseException as e:
-            raise _failed(e, tmp, final, is_main) from None
+        host = self._host_for(tensors)
         clock.append(time.perf_counter())
-        names = ("previous", "state_dict", "start", "async_save")
+        copied = None
+        if host.pinned:
+            # On a stream of their own, after the work queued so far (the last update):
+            # the next step's forward and backward run beside them.
+            if self._stream is None:
+                self._stream = torch.cuda.Stream()
+            self._stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self._stream):
+                staged = host.copy(tensors)
+                copied = self._copied = torch.cuda.Event()
+                copied.record()
+        else:
+            staged = host.copy(tensors)
+        clock.append(time.perf_counter())
+        names = ("previous", "state_dict", "start", "host_memory", "copy")
         self.phases = {n: b - a for n, (a, b) in zip(names, pairwise(clock), strict=True)}
-        upload: Any = getattr(got, "upload_completion", got)  # a Future, or a response holding it
+        group = self._group
 
         def finish() -> None:
             try:
-                upload.result()
+                if copied is not None:
+                    copied.synchronize()
+                writer = _dcp().FileSystemWriter(str(tmp), sync_files=True,
+                                                 thread_count=WRITER_THREADS)  # fmt: skip
+                _dcp().save(staged, storage_writer=writer, process_group=group)
                 if is_main:
                     _finish(run_dir, tmp, final, extra)
                     checkpoint.prune(run_dir, keep)
@@ -215,7 +356,7 @@ class ShardedWriter(checkpoint.BackgroundWrite):
                 raise _failed(e, tmp, final, is_main) from None
             self.last = (final, time.perf_counter() - t0)
 
-        self._start(finish, "dcp-writer")
+        self.start(finish, "dcp-writer")
         return final
 
 

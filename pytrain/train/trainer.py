@@ -20,7 +20,6 @@ from pytrain.optim.build import build_optimizer, keeps_masters
 from pytrain.optim.schedule import lr_at
 from pytrain.optim.step import OptimizerStep
 from pytrain.train import (
-    checkpoint,
     compile_cache,
     compile_policy,
     disk,
@@ -84,9 +83,7 @@ class Trainer:
         self._build_optimizer()
         self.compiler = self._compiler()
         self.step = self.tokens_seen = 0
-        self.ckpt_writer = (
-            sharded_checkpoint.ShardedWriter() if self.sharded else checkpoint.AsyncWriter()
-        )
+        self.ckpt_writer = run_state.writer(self)
         run_state.resume(self)
         per_ckpt = disk.checkpoint_estimate(self.gpt, self.optimizer, self.master)
         if self.dist.is_main and (note := disk.space_note(self.run_dir, per_ckpt, cfg.keep_ckpts)):
