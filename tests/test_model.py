@@ -1,5 +1,7 @@
 """Model options that change numerics, checked on CPU."""
 
+import os
+
 import pytest
 import torch
 
@@ -124,3 +126,32 @@ def test_llama3_rope_scaling_equals_transformers_and_changes_only_long_wavelengt
 def test_a_kv_head_count_that_does_not_divide_the_query_heads_is_refused(n_kv_head):
     with pytest.raises(ValueError, match="model.n_kv_head"):
         ModelConfig(n_head=4, n_kv_head=n_kv_head).check()
+
+
+def test_fa4_kernel_cache_goes_to_this_users_cache_directory(tmp_path, monkeypatch):
+    """FA4's kernel cache (shared objects it loads) is turned on in a folder of this user's
+    own cache directory (mode 0700), never FA4's default under /tmp; a folder the user
+    names is kept; and where none can be made the cache stays off."""
+    from pytrain.model import flash4
+
+    for var in ("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    flash4._enable_kernel_cache()
+    assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "1"
+    assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] == str(
+        tmp_path / "cache" / "pytrain" / "flash-attn-4"
+    )
+    assert (tmp_path / "cache" / "pytrain").stat().st_mode & 0o777 == 0o700
+
+    monkeypatch.delenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED")
+    monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(tmp_path / "mine"))
+    flash4._enable_kernel_cache()
+    assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] == str(tmp_path / "mine")
+
+    for var in ("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"):
+        monkeypatch.delenv(var)
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))  # not a directory
+    flash4._enable_kernel_cache()
+    assert "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED" not in os.environ

@@ -14,6 +14,8 @@ are empty segments (padding that keeps the number of shapes small); `pytrain.dat
 derives them from a batch's document ids."""
 
 import functools
+import os
+from pathlib import Path
 from typing import NamedTuple, Optional  # custom-op schemas of older torch read Optional
 
 import torch
@@ -36,8 +38,29 @@ def _gpu_runs_it(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] in (9, 10)
 
 
+def _enable_kernel_cache() -> None:
+    """FA4's on-disk kernel cache, in this user's own cache directory: it holds shared
+    objects FA4 loads, and FA4's default folder under /tmp could have been made first by
+    another user. Left off where that directory cannot be made."""
+    cache = os.environ.get("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR")
+    if cache is None:
+        home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        try:
+            (home / "pytrain").mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError:
+            return
+        cache = str(home / "pytrain" / "flash-attn-4")
+    os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] = cache
+    os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] = "1"
+
+
 @functools.cache
 def _imports() -> bool:
+    # FA4 compiles its kernels at a run's first call (the CuTe DSL: tens of seconds for the
+    # forward and backward); its own on-disk cache, off unless asked for, lets the next
+    # start on this machine load them, as Inductor's cache does for the rest. Read at import.
+    if "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED" not in os.environ:
+        _enable_kernel_cache()
     try:
         from flash_attn.cute import interface  # noqa: F401
     except Exception:  # ImportError, or the CuTe DSL runtime failing to load
