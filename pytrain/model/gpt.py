@@ -248,19 +248,55 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.d_model, self.vocab, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_base, cfg)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
-        self.apply(self._init)
+        # RoPE's (cos, sin) tables, filled by init_weights (rope_tables).
+        for name in ("rope_cos", "rope_sin"):
+            table = torch.empty(cfg.max_seq_len, cfg.head_dim // 2)
+            self.register_buffer(name, table, persistent=False)
+        self.init_weights()
+
+    @classmethod
+    def create(cls, cfg: ModelConfig, device: torch.device | str) -> GPT:
+        """A randomly initialised GPT built where it will live: the modules are made on the
+        meta device (no memory, no draws), then allocated on `device` and initialised there
+        from that device's default generator. An 8B's initialisation then takes a GPU
+        moments instead of minutes of one CPU thread and a host-to-device copy; ranks
+        seeded alike build identical weights (on the same kind of device)."""
+        with torch.device("meta"):
+            gpt = cls(cfg)
+        gpt.to_empty(device=device)
+        if cfg.tie_embeddings:  # to_empty gives each module its own new tensor
+            gpt.head.weight = gpt.embed.weight
+        gpt.init_weights()
+        return gpt
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Initialises every parameter and the RoPE buffers in place, on the model's device:
+        linear and embedding weights normal with std 0.02, the residual projections (each
+        block's attention `proj` and MLP `down`) with GPT-2's 0.02 / sqrt(2 * n_layer),
+        norm weights ones, biases zero. The draws are the ones GPT() always made, in the
+        same order (the residual projections are drawn twice, the first draw overwritten),
+        so GPT(cfg) under a seed keeps its weights. On the meta device there is nothing to
+        fill: GPT.create calls it again once the model has memory."""
+        if self.rope_cos.is_meta:
+            return
+        for m in self.modules():
+            if isinstance(m, nn.Linear | nn.Embedding):
+                nn.init.normal_(m.weight, std=0.02)
+            if isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
         for name, p in self.named_parameters():
             if name.endswith(("proj.weight", "down.weight")):
                 # GPT-2's scaled init of residual projections.
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer))
-
-    @staticmethod
-    def _init(m: nn.Module) -> None:
-        if isinstance(m, nn.Linear | nn.Embedding):
-            nn.init.normal_(m.weight, std=0.02)
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * self.cfg.n_layer))
+        # Computed on the CPU, as GPT() does, and copied: the same tables on every device
+        # (a GPU's cos and sin may differ from the CPU's in the last bit).
+        cfg = self.cfg
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_base, cfg)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
 
     def set_activation_checkpointing(self, every: int | str) -> None:
         """The run's activation_checkpointing ('off', 'full', 'selective', 'every-N'), or the

@@ -76,10 +76,11 @@ def tokenizer_notes(tokenizer: Path, datasets: tuple[str, ...]) -> list[str]:
     return notes
 
 
-def build(cfg: TrainConfig, data_vocab: int, say) -> GPT:
-    """The run's GPT on the CPU: --init_from's architecture and weights where it is set,
-    else the configured shape, randomly initialised (the caller seeds it). The vocabulary
-    covers the dataset's ids, the RoPE table the longest row the loader makes."""
+def build(cfg: TrainConfig, data_vocab: int, say, device: torch.device) -> GPT:
+    """The run's GPT, created on `device` itself (GPT.create: no CPU copy of the model, no
+    CPU initialisation): --init_from's architecture and weights where it is set, else the
+    configured shape, randomly initialised (the caller seeds it). The vocabulary covers the
+    dataset's ids, the RoPE table the longest row the loader makes."""
     datasets = tuple(cfg.data.mixture()[0].values()) if cfg.data.mix else (cfg.data.path,)
     start = None
     if cfg.init_from:
@@ -88,7 +89,7 @@ def build(cfg: TrainConfig, data_vocab: int, say) -> GPT:
     cfg.model.max_seq_len = max(
         cfg.model.max_seq_len, cfg.data.seq_len, max(cfg.data.bucket_lengths)
     )
-    gpt = GPT(cfg.model)
-    if start is not None:
+    gpt = GPT.create(cfg.model, device)
+    if start is not None:  # overwrites the random draws (cheap where a GPU made them)
         gpt.load_state_dict(start)
     return gpt

@@ -117,7 +117,7 @@ class Trainer:
     def _build_model(self) -> None:
         cfg = self.cfg
         vocab = self.loader.dataset.vocab_size or 0  # from the manifest, via the extension
-        self.gpt = initial_weights.build(cfg, vocab, self.say).to(self.device)
+        self.gpt = initial_weights.build(cfg, vocab, self.say, self.device)
         self.ckpt_every = checkpoint_every(cfg.activation_checkpointing)
         self.gpt.set_activation_checkpointing(cfg.activation_checkpointing)
         self.loss_module = LossModule(self.gpt)
