@@ -123,6 +123,87 @@ def test_the_policy_keeps_attention_matmuls_and_collectives():
     assert [op for op in recomputed if selective_ac.kept(op)] == []
 
 
+@torch.library.custom_op("pytrain_test::gated_out", mutates_args=("pre", "post"))
+def _gated_out(x: torch.Tensor, w: torch.Tensor, pre: torch.Tensor, post: torch.Tensor) -> None:
+    """quack's gemm_gated_out in small: a matmul writing its output and its SwiGLU into
+    buffers it is given; counts its calls."""
+    _gated_out.calls += 1
+    pre.copy_(x @ w)
+    g, u = pre.chunk(2, dim=-1)
+    post.copy_(torch.nn.functional.silu(g) * u)
+
+
+_gated_out.calls = 0
+
+
+class _Gated(torch.autograd.Function):
+    """As quack's linear_gated_func: the op above in the forward, both outputs saved."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        pre, post = x.new_empty(x.shape[0], w.shape[1]), x.new_empty(x.shape[0], w.shape[1] // 2)
+        torch.ops.pytrain_test.gated_out(x, w, pre, post)
+        ctx.save_for_backward(x, w, pre)
+        return post
+
+    @staticmethod
+    def backward(ctx, dpost):
+        x, w, pre = ctx.saved_tensors
+        g, u = pre.chunk(2, dim=-1)
+        sg = torch.sigmoid(g)
+        dpre = torch.cat([dpost * u * sg * (1 + g * (1 - sg)), dpost * g * sg], dim=-1)
+        return dpre @ w.T, x.T @ dpre
+
+
+def _gated_block(x, w, w2):
+    return (_Gated.apply(x, w) @ w2).sum()
+
+
+def _checkpointed_gated(x, w, w2):
+    return torch.utils.checkpoint.checkpoint(
+        _gated_block, x, w, w2, use_reentrant=False, context_fn=selective_ac.context
+    )
+
+
+def test_a_kept_op_that_writes_its_arguments_runs_once_when_compiled(monkeypatch):
+    """An op that writes into its arguments (quack's SwiGLU up projection) is kept where
+    its block is traced for compiling: under a proxy dispatch mode, as AOTAutograd traces,
+    even where torch.compiler.is_compiling() is False (make_fx). Compiled, the op runs once
+    for a forward and backward; not listed, the backward runs it again; in eager it is
+    recomputed (the write would be skipped)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    op = torch.ops.pytrain_test.gated_out.default
+    monkeypatch.setattr(selective_ac, "KEPT", selective_ac.KEPT | {"pytrain_test::gated_out"})
+    monkeypatch.setattr(selective_ac, "_facts", {})
+    assert not selective_ac.kept(op)  # eager
+    seen = []
+    make_fx(lambda t: seen.append(selective_ac.kept(op)) or t * 2)(torch.randn(2))
+    assert seen == [True]  # AOTAutograd's kind of tracing
+
+    g = torch.Generator().manual_seed(0)
+    x, w, w2 = (
+        torch.randn(*s, generator=g, requires_grad=True) for s in ((16, 8), (8, 16), (8, 4))
+    )
+    want = torch.autograd.grad(_gated_block(x, w, w2), (x, w, w2))
+    counts = []
+    for listed in (True, False):
+        if not listed:
+            monkeypatch.setattr(
+                selective_ac, "KEPT", selective_ac.KEPT - {"pytrain_test::gated_out"}
+            )
+            monkeypatch.setattr(selective_ac, "_facts", {})
+        torch._dynamo.reset()
+        _gated_out.calls = 0
+        got = torch.autograd.grad(
+            torch.compile(_checkpointed_gated, backend="aot_eager")(x, w, w2), (x, w, w2)
+        )
+        counts.append(_gated_out.calls)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b)
+    assert counts == [1, 2]
+
+
 def test_selective_is_a_setting_and_a_typo_is_one_line_naming_the_choices():
     assert checkpoint_every("selective") == checkpoint_every("full") == 1
     cfg = TrainConfig(activation_checkpointing="selective")
