@@ -125,6 +125,35 @@ class CpuClock:
         )
 
 
+class StepClock:
+    """Where each training step begins and ends, to time steps without waiting for the
+    device: a mark is the host's time and, on a GPU, an event queued on the current stream
+    (timed by the device when it gets there). A step's time is from its mark to the next
+    step's mark (the period: in steady state the device's, idle gaps included), or, where
+    the step is read at once (before an evaluation, a checkpoint, the end), to a mark
+    queued after its work. Host times alone misread those: where queuing a step waits for
+    the device (FSDP2's step reads the guard's verdict), a step read at once after the
+    previous one looked 17 ms long and the next one twice its length."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> tuple[float, torch.cuda.Event | None]:
+        event = None
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        return time.perf_counter(), event
+
+    @staticmethod
+    def seconds(start, end) -> float:
+        """Seconds from mark `start` to mark `end` (waiting for the device to reach `end`)."""
+        if start[1] is not None and end[1] is not None:
+            end[1].synchronize()
+            return start[1].elapsed_time(end[1]) / 1e3
+        return end[0] - start[0]
+
+
 STEP_LINE = re.compile(r"\bstep (\d+) (loss .*)$", re.M)
 
 
@@ -188,11 +217,9 @@ class StepLog:
     def step(
         self, r, number: int, dt: float, fed: FeedTime, lr: float, skipped: int, fallbacks: int
     ) -> None:
-        """Logs the step (a `guard.StepResult`) that completed step count `number`.
-        Tokens/s, step time and MFU are averaged over the steps since the last text line:
-        a single step's period, measured on the host between reads of its values, can
-        swing (a host that queued a step late reads it late, then the next one early:
-        seen as 0.9 ms "steps" next to checkpoints), while their sum is exact. `fed`: the
+        """Logs the step (a `guard.StepResult`) that completed step count `number`, which
+        took `dt` seconds (StepClock). Tokens/s, step time and MFU are averaged over the
+        steps since the last text line. `fed`: the
         step's own data time, not averaged: data_wait_ms, blocked on the loader (the end
         line's "data wait" is the run's sum of it), and feed_ms, all host time getting the
         batches (the wait included)."""

@@ -277,10 +277,14 @@ class StepProfiler:
         self.prof = prof
         self.t0 = time.perf_counter()
 
+    def ends_at(self, step_done: int) -> bool:
+        """Whether the window ends after `step_done` steps (after_step then writes)."""
+        return self.prof is not None and step_done == self.stop
+
     def after_step(self, step_done: int) -> str | None:
         """`step_done`: the number of completed steps (the trainer's step counter). Returns
         a line naming the summary when the window ends here."""
-        if self.prof is None or step_done != self.stop:
+        if not self.ends_at(step_done):
             return None
         import time
 

@@ -36,6 +36,7 @@ from pytrain.train.guard import PendingStep, StepGuard, StepResult
 from pytrain.train.metrics import (
     CpuClock,
     RunLog,
+    StepClock,
     StepLog,
     flops_per_token,
     log_mixture,
@@ -360,19 +361,19 @@ class Trainer:
         if note := distributed.set_timeout(self.dist, cfg.dist_timeout_s):  # a dead peer ends it
             self.say(note)
         # No device sync inside a step: step k is queued, then step k-1's values are read
-        # (the device finished them while step k was being queued) and logged. Step time
-        # is the period between successive reads: in steady state, the device's.
-        pending: tuple[PendingStep, FeedTime, int] | None = None  # (step, its feed, number)
-        t_mark = time.perf_counter()
+        # (the device finished them while step k was being queued) and logged, timed from
+        # its start to step k's (StepClock).
+        pending: tuple[PendingStep, FeedTime, int, tuple] | None = None  # step, feed, number, start
+        clock = StepClock(self.device)
 
-        def settle_pending() -> None:
-            nonlocal pending, t_mark
+        def settle_pending(end: tuple | None = None) -> None:
+            nonlocal pending
             if pending is None:
                 return
-            (p, fed, number), pending = pending, None
+            (p, fed, number, start), pending = pending, None
+            end = end or clock.mark()  # read at once: to the end of its own work
             r = self.settle(p)
-            now = time.perf_counter()
-            dt, t_mark = now - t_mark, now
+            dt = clock.seconds(start, end)
             history.append(r.loss)
             self.steplog.step(
                 r, number, dt, fed, lr_at(number - 1, cfg.optim, cfg.max_steps), self.guard.skipped,
@@ -384,16 +385,18 @@ class Trainer:
         while self.step < cfg.max_steps:
             if cfg.halt_after and self.step - first_step >= cfg.halt_after:
                 break
+            start = clock.mark()
             batches, fed = self.feed.take(cfg.optim.grad_accum)
             self.profiler.before_step(self.step)
             p = self.train_step(batches, prefetch=self._prefetch_next)
             self.tokens_seen += p.tokens
             self.step += 1
-            settle_pending()
-            pending = (p, fed, self.step)
+            settle_pending(end=start)
+            pending = (p, fed, self.step, start)
+            if self.profiler.ends_at(self.step):
+                settle_pending()  # writing the trace is not step time
             if written := self.profiler.after_step(self.step):
                 self.say(written)
-                t_mark = time.perf_counter()  # writing the trace is not step time
             eval_due = cfg.eval_every and self.step % cfg.eval_every == 0
             ckpt_due = cfg.ckpt_every and self.step % cfg.ckpt_every == 0
             time_up = cfg.time_limit_s and time.perf_counter() - t_start > cfg.time_limit_s
@@ -402,10 +405,8 @@ class Trainer:
             if eval_due:
                 val = self.evaluate()
                 self.steplog.eval(self.step, val)
-                t_mark = time.perf_counter()  # evaluation is not step time
             if ckpt_due:
                 run_state.save(self)
-                t_mark = time.perf_counter()
             if time_up:
                 self.say(f"time limit of {cfg.time_limit_s:.0f}s reached at step {self.step}")
                 break
