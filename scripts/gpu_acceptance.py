@@ -31,8 +31,8 @@ on one GPU); on fewer GPUs each fails at once, saying so:
               rank, evaluation, a checkpoint (~96 GB), the resume, the export and its
               logits; tokens/s and peak memory in the note; ~200 GB of disk at its peak
   two-agent   HSDP as two nodes run it: two torchrun agents of 2 GPUs each (c10d
-              rendezvous on this host) train configs/llama-1b.toml shortened (with
-              FlexAttention, whose backward is deterministic); then the same job with
+              rendezvous on this host) train configs/llama-1b.toml shortened (its own
+              attention, FA4, deterministic under --deterministic); then the same job with
               one rank killed by SIGKILL after a checkpoint: both agents restart it
               (--max-restarts 1) and the losses after its resume are the uninterrupted
               job's bit for bit
