@@ -659,3 +659,27 @@ def test_a_background_save_holds_the_state_at_its_step_while_the_next_update_run
             assert torch.equal(want.cpu(), got.detach()), "the checkpoint holds a later value"
     finally:
         dist.destroy_process_group()
+
+
+@needs_cuda
+def test_profile_memory_writes_the_allocators_history_over_the_profiled_steps(tmp_path):
+    """`--profile_steps 3:5 --profile_memory`: profile/memory.pickle holds the caching
+    allocator's segments and its trace of the window's allocations (what memory_viz reads),
+    each with a Python stack; the trainer's line names it."""
+    import pickle
+    import subprocess
+
+    _loader.write_synthetic(str(tmp_path / "train"), 1500, mu=5.0, sigma=1.0, vocab=4096, seed=3)
+    cmd = [sys.executable, "-m", "pytrain.train", "--no-progress", "--data.path", str(tmp_path / "train"),
+           "--out_dir", str(tmp_path / "runs"), "--model.n_layer", "2", "--model.d_model", "128",
+           "--data.seq_len", "256", "--data.batch_size", "4", "--samples", "0", "--max_steps", "6",
+           "--profile_steps", "3:5", "--profile_memory"]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    path = tmp_path / "runs" / "default" / "profile" / "memory.pickle"
+    assert f"{path} (pytorch.org/memory_viz)" in r.stdout
+    snapshot = pickle.loads(path.read_bytes())
+    assert snapshot["segments"], "no segment of the caching allocator"
+    events = [e for trace in snapshot["device_traces"] for e in trace]
+    allocs = [e for e in events if e["action"] == "alloc"]
+    assert allocs and all(e["frames"] for e in allocs[:10])

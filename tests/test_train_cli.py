@@ -103,6 +103,7 @@ def test_embedded_default_trains_logs_checkpoints_and_resumes(tmp_path):
         (["--activation_checkpointing", "every-x"], "activation_checkpointing is 'every-x'"),
         (["--profile_steps", "3"], "profile_steps '3' is not 'A:B'"),
         (["--profile_steps", "3:1"], "profile_steps '3:1': need 0 <= A < B"),
+        (["--profile_memory"], "--profile_memory records the steps of --profile_steps A:B"),
         (["--compile.inductor", "bogus"], "compile.inductor: 'bogus' is not name=value"),
         (["--data.seq_len", "0"], "data.seq_len is 0; expected a number >= 1"),
         (["--optim.lr", "-1"], "optim.lr is -1.0; expected a learning rate above 0"),

@@ -114,7 +114,8 @@ def check_choices(cfg: TrainConfig) -> None:
             "(or fsdp_shard_size 0)"
         )
     inductor_options(cfg.compile.inductor)
-    profile_window(cfg.profile_steps)
+    if profile_window(cfg.profile_steps) is None and cfg.profile_memory:
+        raise ConfigError("--profile_memory records the steps of --profile_steps A:B: set both")
     checkpoint_every(cfg.activation_checkpointing)
     if not 0 < cfg.optim.decay_frac <= 1:
         raise ConfigError(f"optim.decay_frac is {cfg.optim.decay_frac}; expected 0 < it <= 1")

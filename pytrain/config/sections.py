@@ -143,6 +143,10 @@ class TrainConfig:
     profile_steps: str = ""
     """'A:B' records steps A..B-1 with torch.profiler: runs/<name>/profile/ gets a Chrome
     trace and a table of kernel times per step (pytrain/train/profiling.py). Empty: off."""
+    profile_memory: bool = False
+    """With profile_steps, on a GPU: also records every allocation of torch's CUDA caching
+    allocator over those steps, with its Python stack, into profile/memory.pickle (open it
+    at pytorch.org/memory_viz: which tensors make the peak). Slows the recorded steps."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

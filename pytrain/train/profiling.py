@@ -256,9 +256,11 @@ class StepProfiler:
     """Starts torch.profiler at step A and stops after step B-1 ('A:B'), then writes
     trace.json and summary.{json,md} under `out`. Inactive for an empty spec."""
 
-    def __init__(self, spec: str, out: Path, device: torch.device):
+    def __init__(self, spec: str, out: Path, device: torch.device, memory: bool = False):
         self.start, self.stop = profile_window(spec) or (-1, -1)
         self.out, self.device, self.t0 = out, device, 0.0
+        self.memory = memory and device.type == "cuda"
+        """Also the CUDA caching allocator's history over the window (memory.pickle)."""
         self.prof: torch.profiler.profile | None = None
         self.summary: dict | None = None
 
@@ -272,6 +274,8 @@ class StepProfiler:
             acts.append(torch.profiler.ProfilerActivity.CUDA)
             torch.cuda.synchronize(self.device)
         # Shapes: the summary's matmul table groups the matmuls by them.
+        if self.memory:
+            torch.cuda.memory._record_memory_history(max_entries=1_000_000)
         prof = torch.profiler.profile(activities=acts, record_shapes=True)
         prof.__enter__()
         self.prof = prof
@@ -298,4 +302,9 @@ class StepProfiler:
         (self.out / "summary.json").write_text(json.dumps(self.summary, indent=1))
         (self.out / "summary.md").write_text(format_summary(self.summary) + "\n")
         self.prof = None
-        return f"profile of steps {self.start}:{self.stop}: {self.out}/summary.md"
+        line = f"profile of steps {self.start}:{self.stop}: {self.out}/summary.md"
+        if self.memory:
+            torch.cuda.memory._dump_snapshot(str(self.out / "memory.pickle"))
+            torch.cuda.memory._record_memory_history(enabled=None)
+            line += f", {self.out}/memory.pickle (pytorch.org/memory_viz)"
+        return line

@@ -170,8 +170,9 @@ class Trainer:
         cfg, m = self.cfg, self.cfg.model
         self.log = RunLog(self.run_dir, self.dist.is_main, cfg.tensorboard)
         self.profiler = StepProfiler(
-            cfg.profile_steps if self.dist.is_main else "", self.run_dir / "profile", self.device
-        )
+            cfg.profile_steps if self.dist.is_main else "", self.run_dir / "profile", self.device,
+            memory=cfg.profile_memory,
+        )  # fmt: skip
         self.flops_token = flops_per_token(
             self.gpt.num_params(), m.n_layer, m.n_head, m.d_model // m.n_head, cfg.data.seq_len
         )
