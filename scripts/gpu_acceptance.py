@@ -29,7 +29,8 @@ on one GPU); on fewer GPUs each fails at once, saying so:
   llama-8b    configs/llama-8b.toml under `torchrun --standalone --nproc_per_node 4`
               (FSDP2), shortened: synthetic ids at Llama 3's vocabulary, 4 micro-batches a
               rank, evaluation, a checkpoint (~96 GB), the resume, the export and its
-              logits; tokens/s and peak memory in the note; ~200 GB of disk at its peak
+              logits, then 3 steps of a new 4-rank run `--init_from` the export; tokens/s
+              and peak memory in the note; ~200 GB of disk at its peak
   two-agent   HSDP as two nodes run it: two torchrun agents of 2 GPUs each (c10d
               rendezvous on this host) train configs/llama-1b.toml shortened (its own
               attention, FA4, deterministic under --deterministic); then the same job with
@@ -510,8 +511,8 @@ def llama_8b_args(train: Path, val: Path, cache: Path) -> list[str]:
 
 
 def row_llama_8b(work: Path) -> Row:
-    """configs/llama-8b.toml on 4 GPUs (FSDP2): 4 steps, then the resume to 6, and the
-    export. A checkpoint holds fp32 weights and both AdamW moments, ~96 GB, and two exist
+    """configs/llama-8b.toml on 4 GPUs (FSDP2): 4 steps, then the resume to 6, the export,
+    and 3 steps of a new run from it (`--init_from`, continued). A checkpoint holds fp32 weights and both AdamW moments, ~96 GB, and two exist
     while the second is written: the checkpoints and the export are deleted at the end,
     also where the row fails, so that the disk is free for what follows."""
     row = Row("llama-8b", "")
@@ -523,10 +524,14 @@ def row_llama_8b(work: Path) -> Row:
         args = llama_8b_args(train, val, work / "inductor-cache")
         train_twice(row, work, args, first=4, total=6, launcher=standalone(4))
         problems, exported = export_matches(work, row, hf)
+        if not problems:  # a new run of 4 ranks from the export: its weights, sharded
+            drop_checkpoints(work / "runs" / row.name)  # the disk: the new run saves 96 GB too
+            problems = continued(work, "llama-8b", args, hf, row.train_loss, standalone(4))
         conclude(row, problems, f"{figures(work, row)}; {exported}")
     finally:
         drop_checkpoints(work / "runs" / row.name)
         shutil.rmtree(hf, ignore_errors=True)
+        shutil.rmtree(work / "runs" / "llama-8b-continued", ignore_errors=True)
     return row
 
 
@@ -692,21 +697,24 @@ def first_difference(got: dict[int, float], want: dict[int, float], steps: range
     return []
 
 
-def continued(work: Path, preset: str, args: list[str], hf: Path, trained_loss: float) -> list[str]:
+def continued(work: Path, preset: str, args: list[str], hf: Path, trained_loss: float,
+              launcher=None) -> list[str]:  # fmt: skip
     """Continued pretraining from the export (`--init_from`, the compiled GPU path): a new
-    run of 3 steps whose first loss is the trained model's, well below a random
-    initialisation's ln(vocabulary). Problems, as one-line strings."""
+    run of 3 steps whose first loss is the trained model's: nearer it than a random
+    initialisation's ln(vocabulary) (a short run, as the 8B's, is not far below that).
+    Problems, as one-line strings."""
     name = f"{preset}-continued"
     shutil.rmtree(work / "runs" / name, ignore_errors=True)
-    cmd = [*TRAIN, *args, "--init_from", str(hf), "--out_dir", str(work / "runs"), "--name", name,
-           "--max_steps", "3", "--eval_every", "0", "--samples", "0", "--ckpt_every", "0"]  # fmt: skip
+    cmd = [*(launcher or TRAIN), *args, "--init_from", str(hf), "--out_dir", str(work / "runs"),
+           "--name", name, "--max_steps", "3", "--eval_every", "0", "--samples", "0",
+           "--ckpt_every", "0"]  # fmt: skip
     rc, out = run(cmd, work / f"{name}.log")
     log = work / "runs" / name / "train.log"
     first = read_step_lines(log.read_text())[:1] if log.exists() else []
     vocab = json.loads((hf / "config.json").read_text())["vocab_size"] if hf.exists() else 0
     if rc or "weights from" not in out or not first:
         return [f"--init_from the export: exit {rc}"]
-    if not first[0]["loss"] < math.log(vocab) - 1.0:
+    if not first[0]["loss"] < (trained_loss + math.log(vocab)) / 2:
         return [f"--init_from the export: first loss {first[0]['loss']:.3f} (trained "
                 f"{trained_loss:.3f}, a random start ~{math.log(vocab):.2f})"]  # fmt: skip
     return []
