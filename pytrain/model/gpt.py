@@ -258,8 +258,8 @@ class GPT(nn.Module):
     def create(cls, cfg: ModelConfig, device: torch.device | str) -> GPT:
         """A randomly initialised GPT built where it will live: the modules are made on the
         meta device (no memory, no draws), then allocated on `device` and initialised there
-        from that device's default generator. An 8B's initialisation then takes a GPU
-        moments instead of minutes of one CPU thread and a host-to-device copy; ranks
+        from that device's default generator. An 8B's initialisation then takes the GPU
+        moments, not minutes of one CPU thread and a host-to-device copy; ranks
         seeded alike build identical weights (on the same kind of device)."""
         with torch.device("meta"):
             gpt = cls(cfg)

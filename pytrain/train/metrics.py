@@ -219,10 +219,9 @@ class StepLog:
     ) -> None:
         """Logs the step (a `guard.StepResult`) that completed step count `number`, which
         took `dt` seconds (StepClock). Tokens/s, step time and MFU are averaged over the
-        steps since the last text line. `fed`: the
-        step's own data time, not averaged: data_wait_ms, blocked on the loader (the end
-        line's "data wait" is the run's sum of it), and feed_ms, all host time getting the
-        batches (the wait included)."""
+        steps since the last text line. `fed`: the step's own data time, not averaged:
+        data_wait_ms, blocked on the loader (the end line's "data wait" is the run's sum of
+        it), and feed_ms, all host time getting the batches (the wait included)."""
         tokens, seconds, steps = self._window
         tokens, seconds, steps = tokens + r.tokens, seconds + dt, steps + 1
         self._window = (tokens, seconds, steps)

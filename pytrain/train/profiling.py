@@ -273,9 +273,9 @@ class StepProfiler:
         if self.device.type == "cuda":
             acts.append(torch.profiler.ProfilerActivity.CUDA)
             torch.cuda.synchronize(self.device)
-        # Shapes: the summary's matmul table groups the matmuls by them.
         if self.memory:
             torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+        # Shapes: the summary's matmul table groups the matmuls by them.
         prof = torch.profiler.profile(activities=acts, record_shapes=True)
         prof.__enter__()
         self.prof = prof
