@@ -102,9 +102,9 @@ def traced() -> bool:
     under a proxy dispatch mode, as AOTAutograd traces the joint graph where the policy is
     asked (the test torch.utils.checkpoint makes itself); torch.compiler.is_compiling()
     alone is False under such tracing outside Dynamo (make_fx). At 8B on 4 H100s (torch
-    2.11) quack's SwiGLU up projection, an op that writes its arguments, ran about twice
-    more a block under 'selective' than kept (its forward 527 ms a step against 198 under
-    every-2, BENCHMARKS.md): the case this check is for, not yet measured with it."""
+    2.11) quack's SwiGLU up projection, an op that writes its arguments, was recomputed
+    about twice a block under 'selective' without this check (its forward 527 ms a step
+    against 198 under every-2); with it the step ran 1.15x faster (BENCHMARKS.md)."""
     if torch.compiler.is_compiling():
         return True
     key = getattr(torch._C, "_TorchDispatchModeKey", None)
