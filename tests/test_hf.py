@@ -222,6 +222,37 @@ def test_export_in_bf16_halves_the_file_and_keeps_the_logits_close(text_datasets
         export_main([str(tmp_path / "run"), str(tmp_path / "x"), "--dtype", "fp8"])
 
 
+def test_a_large_export_is_sharded_as_hugging_face_cuts_it(text_datasets, tmp_path, capsys):
+    """Weights above --max_shard_size go into model-0000N-of-0000M.safetensors files with
+    model.safetensors.index.json (an 8B in fp32 is 32 GB): transformers loads them with our
+    logits, and pytrain's own loader (--init_from, eval) reads them back. Exporting again
+    into the same directory in one file leaves no shard or index of the first behind."""
+    import json
+
+    from pytrain.export import main as export_main
+
+    train(text_datasets, tmp_path, "--no-model.tie_embeddings")
+    out = tmp_path / "hf"
+    assert export_main([str(tmp_path / "run"), str(out), "--max_shard_size", "100KB"]) == 0
+    shards = sorted(f.name for f in out.glob("model-*.safetensors"))
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(shards) > 2 and not (out / "model.safetensors").exists()
+    assert set(index["weight_map"].values()) == set(shards)
+    assert shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    ours = load(tmp_path / "run").gpt
+    ids = torch.randint(0, 200, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (model(ids).logits - ours(ids)).abs().max().item() < LOGITS_TOLERANCE
+        assert torch.equal(load(out).gpt(ids), ours(ids))
+    assert export_main([str(tmp_path / "run"), str(out)]) == 0
+    assert sorted(f.name for f in out.glob("model*.safetensors*")) == ["model.safetensors"]
+    # A wrong size is one line, before the checkpoint is read (here there is none).
+    capsys.readouterr()
+    assert export_main([str(tmp_path / "none"), str(out), "--max_shard_size", "lots"]) == 2
+    assert capsys.readouterr().err.startswith("pytrain.export: error: --max_shard_size 'lots': ")
+
+
 def test_metas_llama_3_1_8b_config_reads_as_the_8b_preset():
     """Llama-3.1-8B's config.json as Meta published it, read by from_hf, is the
     configs/llama-8b.toml architecture at Llama 3's vocabulary (Llama 3.1's RoPE scaling

@@ -95,3 +95,44 @@ def test_create_allocates_nothing_before_placing_the_model(monkeypatch):
     assert seen == [True]
     assert all(p.is_meta for p in meta.parameters())
     assert torch.equal(torch.get_rng_state(), state)  # the CPU generator was not drawn from
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_empty_draws_nothing_and_a_load_over_it_gives_the_models_logits(tie):
+    """GPT.empty, what a checkpoint or an export is loaded over (pytrain.model.load): no
+    random draws (an 8B's on the CPU took minutes of the export), the RoPE tables filled
+    (no state holds them), and once the weights are loaded the logits are the model's."""
+    cfg = ModelConfig(tie_embeddings=tie, **KW)
+    torch.manual_seed(0)
+    trained = GPT(cfg).eval()
+    rng = torch.get_rng_state()
+    empty = GPT.empty(cfg)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert (empty.head.weight is empty.embed.weight) == tie
+    for name, b in empty.named_buffers():
+        assert torch.equal(b, dict(trained.named_buffers())[name]), name
+    empty.load_state_dict(trained.state_dict())
+    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(empty.eval()(ids), trained(ids))
+
+
+def test_loading_a_run_initialises_nothing(tmp_path, monkeypatch):
+    """pytrain.model.load (export, eval, sample) builds the model with GPT.empty: no
+    initialisation that the load would overwrite; the loaded weights are the saved ones."""
+    from pytrain.model.load import load
+
+    cfg = ModelConfig(**KW)
+    torch.manual_seed(0)
+    trained = GPT(cfg)
+    torch.save({"model": trained.state_dict(), "config": {"model": cfg.__dict__, "data": {}}},
+               tmp_path / "ckpt.pt")  # fmt: skip
+    # GPT() calls init_weights on the meta device too, where it writes nothing.
+    monkeypatch.setattr(
+        GPT, "init_weights", lambda self: self.rope_cos.is_meta or pytest.fail("initialised")
+    )
+    loaded = load(tmp_path / "ckpt.pt").gpt
+    for (name, a), b in zip(
+        loaded.state_dict().items(), trained.state_dict().values(), strict=True
+    ):
+        assert torch.equal(a, b), name

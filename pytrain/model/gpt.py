@@ -269,6 +269,20 @@ class GPT(nn.Module):
         gpt.init_weights()
         return gpt
 
+    @classmethod
+    def empty(cls, cfg: ModelConfig, device: torch.device | str = "cpu") -> GPT:
+        """A GPT whose parameters are allocated on `device` but not initialised, for weights
+        about to be loaded over them (a checkpoint, an export): no random draws, which for
+        an 8B on the CPU take minutes of the load. Only the RoPE tables, which no state
+        holds, are filled."""
+        with torch.device("meta"):
+            gpt = cls(cfg)
+        gpt.to_empty(device=device)
+        if cfg.tie_embeddings:
+            gpt.head.weight = gpt.embed.weight
+        gpt.fill_rope_tables()
+        return gpt
+
     @torch.no_grad()
     def init_weights(self) -> None:
         """Initialises every parameter and the RoPE buffers in place, on the model's device:
@@ -291,8 +305,13 @@ class GPT(nn.Module):
             if name.endswith(("proj.weight", "down.weight")):
                 # GPT-2's scaled init of residual projections.
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * self.cfg.n_layer))
-        # Computed on the CPU, as GPT() does, and copied: the same tables on every device
-        # (a GPU's cos and sin may differ from the CPU's in the last bit).
+        self.fill_rope_tables()
+
+    @torch.no_grad()
+    def fill_rope_tables(self) -> None:
+        """RoPE's (cos, sin) buffers, computed on the CPU, as GPT() does, and copied: the
+        same tables on every device (a GPU's cos and sin may differ from the CPU's in the
+        last bit)."""
         cfg = self.cfg
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_base, cfg)
         self.rope_cos.copy_(cos)

@@ -61,7 +61,7 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> Loaded:
     ):
         raise ConfigError(f"{path}: not a pytrain checkpoint (no model and config in it)")
     cfg = ModelConfig.from_saved(state["config"]["model"])
-    gpt = GPT(cfg)
+    gpt = GPT.empty(cfg)  # every weight is loaded over it
     if "sharded" in state:  # an FSDP2 run's checkpoint: its shards, read whole here
         from pytrain.train.sharded_checkpoint import load_model
 
@@ -133,7 +133,7 @@ def hf_model(p: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
 
 def _load_hf(p: Path, device) -> Loaded:
     cfg, state, config = hf_model(p)
-    gpt = GPT(cfg)
+    gpt = GPT.empty(cfg)  # every weight is loaded over it
     gpt.load_state_dict(state)
     tok = p / "tokenizer.json"
     return Loaded(gpt.to(device).eval(), None, tok if tok.is_file() else None,
