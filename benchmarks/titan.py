@@ -33,8 +33,9 @@ fastest run with the other's. MFU with one formula for both: 6N + 12 L H d T per
 (N: the blocks and the output layer, the embedding lookup costing nothing; attention
 included), against 989 TFLOP/s (H100 dense bf16). Tokens/s per GPU (torchtitan logs its
 "tps" per GPU, ours its whole job's, divided here). Peak memory: rank 0's
-torch.cuda.max_memory_reserved for both (torchtitan logs it as "memory"). Medians over the
-steps after the first third. A table is printed last.
+torch.cuda.max_memory_reserved for both (torchtitan logs it as "memory"), torchtitan with
+the CUDA allocator's expandable segments, as its launcher sets them (TITAN_ALLOC). Medians
+over the steps after the first third. A table is printed last.
 
 With --quality, every run trains on real text instead (the Python sources, every 20th
 document held out; ours packed by pack-shards with the same tokenizer, so at that
@@ -65,6 +66,11 @@ PEAK_TFLOPS = 989.0  # H100 SXM dense bf16
 RUNS = ("ours bf16", "ours preset", "ours fp8",
         "torchtitan bf16", "torchtitan fp8", "torchtitan fp8 output-bf16")  # fmt: skip
 VAL_BATCHES = 20  # --quality: validation batches of --rows rows, the same for both
+ALLOC_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+TITAN_ALLOC = {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}
+"""The CUDA allocator's setting torchtitan's launcher (run_train.sh) gives its trainer: part
+of its recipe, so its runs here have it too. Ours run with what the trainer sets. Set either
+variable in the shell and both sides run with it instead."""
 SHAPES = {
     "1b": {"title": "Llama-3.2-1B", "n_layer": 16, "d_model": 2048, "n_head": 32, "n_kv_head": 8,
            "mlp_hidden": 8192, "vocab": 128256, "preset": "configs/llama-1b.toml", "titan_flavor": "1B",
@@ -137,6 +143,8 @@ def run_titan(
                 "--validation.steps", str(VAL_BATCHES), "--validation.local_batch_size", str(rows),
                 "--validation.seq_len", str(seq), "--lr_scheduler.warmup_steps", str(steps // 10)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": f"{site}:{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+    if not any(k in os.environ for k in ALLOC_VARS):  # unless the shell names one for both
+        env.update(TITAN_ALLOC)
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
