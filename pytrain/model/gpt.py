@@ -211,6 +211,8 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+    recompute: dict | None
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -237,6 +239,9 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         cfg.check()
@@ -299,8 +304,8 @@ class GPT(nn.Module):
                 nn.init.normal_(m.weight, std=0.02)
             if isinstance(m, RMSNorm):
                 nn.init.ones_(m.weight)
-            if getattr(m, "bias", None) is not None:
-                nn.init.zeros_(m.bias)
+            if isinstance(bias := getattr(m, "bias", None), torch.Tensor):
+                nn.init.zeros_(bias)
         for name, p in self.named_parameters():
             if name.endswith(("proj.weight", "down.weight")):
                 # GPT-2's scaled init of residual projections.
@@ -324,7 +329,8 @@ class GPT(nn.Module):
         (pytrain.model.selective_ac)."""
         stride = checkpoint_every(every) if isinstance(every, str) else every
         options = {"context_fn": selective_ac.context} if every == SELECTIVE else {}
-        for i, block in enumerate(self.blocks):
+        blocks: list[Block] = list(self.blocks)  # type: ignore[arg-type]  # ModuleList's items
+        for i, block in enumerate(blocks):
             block.recompute = options if stride and i % stride == 0 else None
 
     def num_params(self, non_embedding: bool = True) -> int:
@@ -387,8 +393,7 @@ class GPT(nn.Module):
         dtype = compute_dtype(x)
         # The embedding's dtype is the parameters' (bf16 with master weights).
         x = x.to(dtype if self.cfg.residual == "compute" else torch.float32)
-        tables: tuple[torch.Tensor, torch.Tensor] = (self.rope_cos, self.rope_sin)  # type: ignore[assignment]
-        cos, sin = (t[pos][:, :, None].to(dtype) for t in tables)
+        cos, sin = (t[pos][:, :, None].to(dtype) for t in (self.rope_cos, self.rope_sin))
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, mask, caches[i] if caches else None)
         return self.norm(x)

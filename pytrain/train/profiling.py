@@ -288,7 +288,7 @@ class StepProfiler:
     def after_step(self, step_done: int) -> str | None:
         """`step_done`: the number of completed steps (the trainer's step counter). Returns
         a line naming the summary when the window ends here."""
-        if not self.ends_at(step_done):
+        if not self.ends_at(step_done) or self.prof is None:
             return None
         import time
 

@@ -88,7 +88,7 @@ def _safe_reader_class() -> type:
     """DCP's file reader with `.metadata` read by _MetadataUnpickler (defined on first use,
     as DCP is imported then)."""
 
-    class SafeReader(_dcp().FileSystemReader):
+    class SafeReader(_dcp().FileSystemReader):  # type: ignore[misc]  # a base known at run time
         """DCP's file reader with `.metadata` read by _MetadataUnpickler."""
 
         def read_metadata(self, *args, **kwargs):
