@@ -203,6 +203,8 @@ def run_ours(
     setup = ", ".join(start[k] for k in ("attention", "output_layer", "mlp") if k in start)
     return {"tokens_per_s": median_steady(logged, "tok/s", steps // 3) / gpus,
             "peak_gib": max(x.get("reserved_gib", float("nan")) for x in logged),
+            # torchtitan logs no allocated peak: in the result line only, not the table
+            "allocated_gib": max(x.get("allocated_gib", float("nan")) for x in logged),
             "setup": "; ".join([setup or "?", *read_fallbacks(out)]), "wall_s": round(wall),
             **({"val_loss": float(vals[-1])} if vals else {})}  # fmt: skip
 

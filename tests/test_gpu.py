@@ -515,6 +515,10 @@ def test_cli_run_with_evaluation_checkpoints_and_resume(tmp_path: Path):
     vals = re.findall(r"\bstep (\d+) val_loss (\S+)", log)
     assert [int(s) for s, _ in vals] == [5, 10, 15, 20], log
     assert "recompile(s) after warm-up" not in outs[0].stdout + outs[1].stdout
+    from pytrain.train.metrics import read_step_lines
+
+    steps = read_step_lines(log)  # the allocator's peaks on every line: held >= used > 0
+    assert steps and all(x["reserved_gib"] >= x["allocated_gib"] > 0 for x in steps), steps
 
 
 @needs_cuda

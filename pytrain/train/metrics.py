@@ -161,7 +161,7 @@ def read_step_lines(text: str) -> list[dict[str, float]]:
     """train.log's step lines, as `StepLog.step` writes them, for the scripts and tests that
     read them back: {"step": n, "loss": ..., "lr": ..., "grad_norm": ..., "tok/s": ...,
     "step_ms": ..., "data_wait_ms": ..., "feed_ms": ..., "mfu": a fraction, "reserved_gib":
-    ...}; a field a line does not have (mfu off a GPU) is absent. "loss" is the exact value
+    ..., "allocated_gib": ...}; a field a line does not have (mfu off a GPU) is absent. "loss" is the exact value
     (the line's `loss_exact`) where the line has it, else the 4 decimals shown. Evaluation
     and skip lines are not step lines."""
     rows = []
@@ -259,8 +259,13 @@ class StepLog:
                 + (f" mfu {mfu:.1%}" if mfu else "")
                 + f" loss_exact {r.loss!r}"
             )
-            if self.device.type == "cuda":  # what the caching allocator holds: what must fit
-                line += f" reserved_gib {torch.cuda.max_memory_reserved(self.device) / 2**30:.2f}"
+            if self.device.type == "cuda":
+                # Peaks so far: what the caching allocator holds (what must fit), and what
+                # tensors held; the difference is memory the allocator could not reuse.
+                line += (
+                    f" reserved_gib {torch.cuda.max_memory_reserved(self.device) / 2**30:.2f}"
+                    f" allocated_gib {torch.cuda.max_memory_allocated(self.device) / 2**30:.2f}"
+                )
             self.log.text(line)
             self._window = (0, 0.0, 0)
 
