@@ -106,7 +106,12 @@ def write_weights(weights: dict, out: Path, max_shard_size: str | int) -> list[s
         tmp.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         os.replace(tmp, out / INDEX)
         written.append(INDEX)
-    for stale in [*out.glob("model*.safetensors"), out / INDEX]:
+    earlier = [
+        out / "model.safetensors",
+        out / INDEX,
+        *out.glob("model-?????-of-?????.safetensors"),
+    ]
+    for stale in earlier:
         if stale.name not in written and stale.is_file():
             stale.unlink()
     return written
