@@ -215,3 +215,35 @@ def test_the_metadata_unpickler_rebuilds_dcp_classes_and_refuses_their_modules_f
 
     with pytest.raises(pickle.UnpicklingError, match="_write_item"):
         _MetadataUnpickler(io.BytesIO(pickle.dumps(CallsAFunction()))).load()
+
+
+def test_the_host_buffer_is_registered_in_pieces_that_split_no_tensor():
+    """HostCopies pins its buffer in pieces of at most CHUNK bytes (one larger tensor alone
+    excepted) that meet at tensors' starts: every tensor starts on a page of its own (the
+    buffer too), so that no copy spans two registrations and no two share a page. The
+    pieces cover the buffer in order; copies into the buffer keep their values."""
+    g = torch.Generator().manual_seed(0)
+    sizes = [3, 5000, 1, 70_000, 257, 0, 9000, 130_000, 12, 4096]
+    tensors = {"a": {str(i): torch.randn(n, generator=g) for i, n in enumerate(sizes)},
+               "b": torch.arange(10, dtype=torch.int64)}  # fmt: skip
+    layout = sharded_checkpoint.HostCopies.layout_of(tensors)
+    host = sharded_checkpoint.HostCopies(layout, pin=False)
+    page = sharded_checkpoint.HostCopies.ALIGN
+    assert host.buffer.data_ptr() % page == 0
+    assert all(offset % page == 0 for offset, _, _ in layout.values())
+    spans = sorted((o, o + sharded_checkpoint._nbytes(d, s)) for o, d, s in layout.values())
+    size = host.buffer.numel()
+    for chunk in (1, 100_000, 300_000, 1 << 30):
+        pieces = sharded_checkpoint.HostCopies.pieces(layout, size, chunk)
+        assert pieces[0][0] == 0 and pieces[-1][1] == size
+        assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:], strict=False))
+        for start, stop in pieces:
+            inside = [(o, e) for o, e in spans if start <= o < stop]
+            assert stop - start <= chunk or len([e for o, e in inside if e > o]) == 1
+            assert all(e <= stop for o, e in inside), (chunk, start, stop)  # none split
+            assert start % page == 0
+    assert len(sharded_checkpoint.HostCopies.pieces(layout, size, 1 << 30)) == 1
+    copies = host.copy(tensors)
+    for k, t in tensors["a"].items():
+        assert torch.equal(copies["a"][k], t)
+    assert torch.equal(copies["b"], tensors["b"])

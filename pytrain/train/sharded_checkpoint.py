@@ -163,20 +163,55 @@ class HostCopies:
     buffer with CUDA. Not a pinned tensor each: torch's pinned allocator rounds every
     allocation up to a power of two, up to twice the memory (the 8B: 22 GB a rank)."""
 
-    ALIGN = 64  # bytes: every dtype's view of the buffer starts aligned
+    ALIGN = 4096
+    """Bytes: every tensor starts on a page of its own (the buffer starts on a page too), so
+    that the buffer can be registered with CUDA in pieces that meet at tensors' starts."""
+    CHUNK = 1 << 30
+    """Bytes a registration covers at most, unless one tensor alone is larger."""
 
     def __init__(self, layout: dict[tuple, tuple[int, torch.dtype, tuple]], pin: bool) -> None:
         self.layout = layout
         """Each tensor's (offset, dtype, shape), by its path in the state (`layout_of`)."""
-        end = max((o + _nbytes(d, s) for o, d, s in layout.values()), default=0)
-        self.buffer = torch.empty(max(end, 1), dtype=torch.uint8)
+        size = max(1, max((o + _nbytes(d, s) for o, d, s in layout.values()), default=0))
+        raw = torch.empty(size + self.ALIGN, dtype=torch.uint8)
+        skip = -raw.data_ptr() % self.ALIGN  # the allocator aligns to 64 bytes, not a page
+        self.buffer = raw[skip : skip + size]
         self.pinned = False
         if pin:
-            cudart = torch.cuda.cudart()
-            ptr, size = self.buffer.data_ptr(), self.buffer.numel()
-            self.pinned = int(cudart.cudaHostRegister(ptr, size, 0)) == 0
-            if self.pinned:  # unregistered before the memory is freed (it holds the buffer)
-                weakref.finalize(self, _unregister, self.buffer)
+            self.pinned = self._register()
+
+    def _register(self) -> bool:
+        """Pins the buffer by registering it with CUDA; False (and nothing registered) where
+        CUDA refuses. Made in a background thread beside training: the pages are written
+        first (the kernel zero-fills them outside CUDA's call), then registered in pieces
+        of at most CHUNK bytes. Why: at 8B (22 GB a rank) the step during which one call
+        registered the whole buffer took 12-26 s where 1.6 s is usual; the suspected cause
+        is the call holding the driver while the loop's own CUDA calls wait (not yet
+        measured with the pieces). Each tensor lies within one piece, so that every copy
+        into it is a copy into one pinned range, and no two pieces share a page."""
+        self.buffer.zero_()
+        cudart = torch.cuda.cudart()
+        base, done = self.buffer.data_ptr(), list[int]()
+        for start, stop in self.pieces(self.layout, self.buffer.numel(), self.CHUNK):
+            if int(cudart.cudaHostRegister(base + start, stop - start, 0)) != 0:
+                for ptr in done:
+                    cudart.cudaHostUnregister(ptr)
+                return False
+            done.append(base + start)
+        # Unregistered before the memory is freed (the finalizer holds the buffer).
+        weakref.finalize(self, _unregister, self.buffer, done)
+        return True
+
+    @staticmethod
+    def pieces(layout: dict, size: int, chunk: int) -> list[tuple[int, int]]:
+        """[start, stop) byte ranges that cover [0, size) in order, each at most `chunk`
+        bytes unless one tensor alone is larger, meeting only at tensors' starts."""
+        bounds, start = [], 0
+        for offset, end in sorted((o, o + _nbytes(d, s)) for o, d, s in layout.values()):
+            if end - start > chunk and offset > start:  # a new piece from this tensor on
+                bounds.append((start, offset))
+                start = offset
+        return [(a, b) for a, b in [*bounds, (start, size)] if b > a]
 
     @classmethod
     def layout_of(cls, tensors: dict) -> dict[tuple, tuple[int, torch.dtype, tuple]]:
@@ -213,8 +248,12 @@ class HostCopies:
         return out
 
 
-def _unregister(buffer: torch.Tensor) -> None:
-    torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+def _unregister(buffer: torch.Tensor, pieces: list[int]) -> None:
+    """Unregisters the pieces of `buffer` (their start addresses); the buffer is an argument
+    only to be kept alive until then."""
+    cudart = torch.cuda.cudart()
+    for ptr in pieces:
+        cudart.cudaHostUnregister(ptr)
 
 
 def _nbytes(dtype: torch.dtype, shape) -> int:
