@@ -253,7 +253,7 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.d_model, self.vocab, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
-        # RoPE's (cos, sin) tables, filled by init_weights (rope_tables).
+        # RoPE's (cos, sin) tables, filled by fill_rope_tables (init_weights calls it).
         for name in ("rope_cos", "rope_sin"):
             table = torch.empty(cfg.max_seq_len, cfg.head_dim // 2)
             self.register_buffer(name, table, persistent=False)
@@ -266,11 +266,7 @@ class GPT(nn.Module):
         from that device's default generator. An 8B's initialisation then takes the GPU
         moments, not minutes of one CPU thread and a host-to-device copy; ranks
         seeded alike build identical weights (on the same kind of device)."""
-        with torch.device("meta"):
-            gpt = cls(cfg)
-        gpt.to_empty(device=device)
-        if cfg.tie_embeddings:  # to_empty gives each module its own new tensor
-            gpt.head.weight = gpt.embed.weight
+        gpt = cls.empty(cfg, device)
         gpt.init_weights()
         return gpt
 
@@ -283,7 +279,7 @@ class GPT(nn.Module):
         with torch.device("meta"):
             gpt = cls(cfg)
         gpt.to_empty(device=device)
-        if cfg.tie_embeddings:
+        if cfg.tie_embeddings:  # to_empty gives each module its own new tensor
             gpt.head.weight = gpt.embed.weight
         gpt.fill_rope_tables()
         return gpt

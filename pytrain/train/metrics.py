@@ -161,9 +161,9 @@ def read_step_lines(text: str) -> list[dict[str, float]]:
     """train.log's step lines, as `StepLog.step` writes them, for the scripts and tests that
     read them back: {"step": n, "loss": ..., "lr": ..., "grad_norm": ..., "tok/s": ...,
     "step_ms": ..., "data_wait_ms": ..., "feed_ms": ..., "mfu": a fraction, "reserved_gib":
-    ..., "allocated_gib": ...}; a field a line does not have (mfu off a GPU) is absent. "loss" is the exact value
-    (the line's `loss_exact`) where the line has it, else the 4 decimals shown. Evaluation
-    and skip lines are not step lines."""
+    ..., "allocated_gib": ...}; a field a line does not have (mfu, the GiB off a GPU) is
+    absent. "loss" is the exact value (the line's `loss_exact`) where the line has it, else
+    the 4 decimals shown. Evaluation and skip lines are not step lines."""
     rows = []
     for number, rest in STEP_LINE.findall(text):
         words = rest.split()
