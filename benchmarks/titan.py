@@ -188,7 +188,7 @@ def run_ours(
            "--ckpt_every", "0", "--out_dir", str(work / "runs"), "--name", name, *extra]  # fmt: skip
     log = work / "runs" / name / "train.log"
     t0 = time.perf_counter()
-    code, out = run_until_step(cmd, log, steps, stop_early=text is None)
+    code, out = run_until_step(cmd, log, steps, evaluated=text is not None)
     wall = time.perf_counter() - t0
     for ckpt in (work / "runs" / name).glob("ckpt-*"):  # ~16 GB each: the next run needs the disk
         shutil.rmtree(ckpt) if ckpt.is_dir() else ckpt.unlink()
@@ -209,14 +209,19 @@ def run_ours(
             **({"val_loss": float(vals[-1])} if vals else {})}  # fmt: skip
 
 
-def run_until_step(cmd: list[str], log: Path, steps: int, stop_early: bool) -> tuple[int, str]:
-    """Runs the trainer; with `stop_early`, ends it (SIGKILL to it and its workers) once its
-    train.log has the last step: the final evaluation and checkpoint that follow (96 GB at
-    8B) are not measured here. Returns (exit code, 0 where it was ended so; its output)."""
+def run_until_step(cmd: list[str], log: Path, steps: int, evaluated: bool) -> tuple[int, str]:
+    """Runs the trainer and ends it (SIGKILL to it and its workers) once its train.log has
+    the last step, and with `evaluated` (--quality) also that step's validation loss: the
+    final checkpoint that follows (96 GB at 8B) is not measured here. Returns (exit code, 0
+    where it was ended so; its output)."""
+    last_val = re.compile(rf"step {steps} val_loss ")
     with tempfile.TemporaryFile("w+") as out:
         p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
         while p.poll() is None:
-            if stop_early and any(x["step"] >= steps for x in read_steps(log)):
+            done = any(x["step"] >= steps for x in read_steps(log))
+            if done and evaluated:
+                done = bool(last_val.search(log.read_text()))
+            if done:
                 kill_tree(p.pid)
                 p.wait()
                 p.returncode = 0
