@@ -80,13 +80,13 @@ def export(
     return out
 
 
-def write_weights(weights: dict, out: Path, max_shard_size: str | int) -> list[str]:
+def write_weights(weights: dict, out: Path, max_shard_size: str | int) -> None:
     """The weights as Hugging Face writes them (huggingface_hub's split, as
     `save_pretrained`): model.safetensors where they fit one shard, else
     model-0000N-of-0000M.safetensors and model.safetensors.index.json naming each tensor's
     file. Each file is written under a temporary name and renamed, and the weight files of
     an earlier export into `out` that this one does not write are removed, so that
-    transformers never reads a mix of the two. Returns the files written."""
+    transformers never reads a mix of the two."""
     import os
 
     from huggingface_hub import split_torch_state_dict_into_shards
@@ -114,7 +114,6 @@ def write_weights(weights: dict, out: Path, max_shard_size: str | int) -> list[s
     for stale in earlier:
         if stale.name not in written and stale.is_file():
             stale.unlink()
-    return written
 
 
 def main(argv: list[str] | None = None) -> int:

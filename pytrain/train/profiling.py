@@ -288,17 +288,18 @@ class StepProfiler:
     def after_step(self, step_done: int) -> str | None:
         """`step_done`: the number of completed steps (the trainer's step counter). Returns
         a line naming the summary when the window ends here."""
-        if not self.ends_at(step_done) or self.prof is None:
+        prof = self.prof
+        if prof is None or step_done != self.stop:  # not ends_at: mypy narrows `prof` here
             return None
         import time
 
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         wall = time.perf_counter() - self.t0
-        self.prof.__exit__(None, None, None)
+        prof.__exit__(None, None, None)
         self.out.mkdir(parents=True, exist_ok=True)
-        self.prof.export_chrome_trace(str(self.out / "trace.json"))
-        self.summary = kernel_summary(self.prof, self.stop - self.start, wall)
+        prof.export_chrome_trace(str(self.out / "trace.json"))
+        self.summary = kernel_summary(prof, self.stop - self.start, wall)
         (self.out / "summary.json").write_text(json.dumps(self.summary, indent=1))
         (self.out / "summary.md").write_text(format_summary(self.summary) + "\n")
         self.prof = None
