@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -117,6 +118,23 @@ def test_env_guards_are_set_before_torch_is_imported(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["0", "-", "False", "False"]
+
+
+def test_the_allocator_grows_segments_unless_the_user_configured_it(monkeypatch):
+    from pytrain.train.env_guards import apply_allocator_env, expandable_in_force
+
+    for k in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(k, raising=False)
+    assert not expandable_in_force()
+    assert apply_allocator_env() == "expandable_segments:True"
+    assert expandable_in_force()
+    # A setting of the user's, under either name, is kept as it is.
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    assert apply_allocator_env() == "max_split_size_mb:512"
+    assert "PYTORCH_ALLOC_CONF" not in os.environ and not expandable_in_force()
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512, expandable_segments:True")
+    assert expandable_in_force()
 
 
 def test_inductor_options_are_set_checked_and_skipped_when_unknown():

@@ -59,10 +59,13 @@ def apply_env_guards(cfg) -> None:
     """What `python -m pytrain.train` sets before torch is imported, unless
     --compile.safe_env is off: Inductor's environment guards (env_guards) and its cache
     directory. A benchmark that must import torch before the trainer (benchmarks/fit.py caps
-    its GPU memory) calls this first and passes --no-compile.safe_env to the trainer."""
+    its GPU memory) calls this first and passes --no-compile.safe_env to the trainer.
+    The allocator's expandable segments are set either way (env_guards.apply_allocator_env)."""
+    from pytrain.train.env_guards import apply_allocator_env, apply_safe_env, run_inductor_cache
+
+    apply_allocator_env()
     if not cfg.compile.safe_env:
         return
-    from pytrain.train.env_guards import apply_safe_env, run_inductor_cache
 
     cache = cfg.compile.cache_dir or os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if not cache:  # the run's own, where this user's trainer made it (see there)

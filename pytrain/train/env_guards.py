@@ -51,6 +51,32 @@ def apply_safe_env(cache_dir: str | None = None, cudagraphs: bool = False) -> di
     return applied
 
 
+ALLOCATOR_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+"""The CUDA caching allocator's settings: the current name and the older one torch still
+reads."""
+EXPANDABLE = "expandable_segments:True"
+
+
+def apply_allocator_env() -> str:
+    """Lets the CUDA allocator grow its segments in place (expandable segments, as
+    torchtitan's launcher sets them) unless the user configured the allocator, and returns
+    the setting in force ('' for torch's defaults). Without them, memory freed between
+    blocks of different sizes stays reserved in segments that fit neither: the 8B preset
+    on four GPUs reserved 9 GiB beyond what it allocated. torch reads the variable when
+    CUDA is first used, so this goes before that."""
+    for k in ALLOCATOR_VARS:
+        if k in os.environ:
+            return os.environ[k]
+    os.environ[ALLOCATOR_VARS[0]] = EXPANDABLE
+    return EXPANDABLE
+
+
+def expandable_in_force() -> bool:
+    """Whether the allocator settings in this process's environment grow segments in place."""
+    conf = ",".join(os.environ.get(k, "") for k in ALLOCATOR_VARS).replace(" ", "")
+    return "expandable_segments:true" in conf.lower()
+
+
 INDUCTOR_CACHE = "inductor-cache"
 """The run's Inductor cache, a directory of the run directory (warm restarts of the run)."""
 

@@ -11,6 +11,8 @@ import os
 import re
 from collections.abc import Iterator
 
+from pytrain.train import env_guards
+
 HOST_REFUSED = re.compile(r"can't allocate memory: you tried to allocate (\d+) bytes")
 """torch's CPU allocator's message when the host refused an allocation."""
 GIB = 2**30
@@ -83,8 +85,8 @@ def line(e: BaseException, cfg, step: int | None) -> str:
             )
         if d.batch_size == 1:
             fixes.append(f"a shorter --data.seq_len (now {d.seq_len})")
-        if which == "GPU":  # a run whose peak grew after its first steps: fragmentation
-            fixes.append("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less memory lost "
+        if which == "GPU" and not env_guards.expandable_in_force():  # fragmentation
+            fixes.append("PYTORCH_ALLOC_CONF=expandable_segments:True (less memory lost "
                          "to fragmentation)")  # fmt: skip
     kept = (
         ""
