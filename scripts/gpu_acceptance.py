@@ -20,8 +20,8 @@ repeated runs of one preset would):
               file, then training on it with evaluation
   llama-350m, llama-1b, llama-3b  the Llama presets, shortened: evaluation, a checkpoint,
               the resume, and the export, whose LlamaForCausalLM gives our logits, then
-              3 steps of a new run `--init_from` the export (continued pretraining: its
-              first loss is the trained model's); tokens/s and peak memory in the note
+              a new run `--init_from` the export (continued pretraining: its first loss
+              is the trained model's; ended once that is logged); tokens/s and peak memory in the note
               (1B and 3B need an 80 GB GPU; 3B ~110 GB of disk)
 
 Rows for a host of 4 GPUs of 80 GB, run only where --rows names them (the default rows run
@@ -29,7 +29,7 @@ on one GPU); on fewer GPUs each fails at once, saying so:
   llama-8b    configs/llama-8b.toml under `torchrun --standalone --nproc_per_node 4`
               (FSDP2), shortened: synthetic ids at Llama 3's vocabulary, 4 micro-batches a
               rank, evaluation, a checkpoint (~96 GB), the resume, the export and its
-              logits, then 3 steps of a new 4-rank run `--init_from` the export; tokens/s
+              logits, then the first step of a new 4-rank run `--init_from` the export; tokens/s
               and peak memory in the note; ~200 GB of disk at its peak
   two-agent   HSDP as two nodes run it: two torchrun agents of 2 GPUs each (c10d
               rendezvous on this host) train configs/llama-1b.toml shortened (its own
@@ -92,22 +92,33 @@ class Row:
     logs: list[str] = field(default_factory=list)
 
 
-def run(cmd: list[str], log: Path, env: dict | None = None) -> tuple[int, str]:
+def run(cmd: list[str], log: Path, env: dict | None = None, done=None) -> tuple[int, str]:
     """Runs `cmd` with its output written to `log` as it comes (a row cut by a time limit
     leaves what it had done there); returns (exit code, output). One line per command on
-    stdout, with its wall time, says how far a row got and where its time went."""
+    stdout, with its wall time, says how far a row got and where its time went. `done`: a
+    check made every half second; once it holds, what the row needed of the command has
+    happened, and the command and its children are killed (exit code 0 returned), e.g. a run
+    whose first steps are all a row reads, so its end's checkpoint is not waited for."""
     t0 = time.perf_counter()
     with open(log, "w") as f:
         f.write(f"$ {' '.join(cmd)}\n")
         f.flush()
-        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
-                           env={**os.environ, **(env or {})})  # fmt: skip
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
+                             env={**os.environ, **(env or {})}, start_new_session=True)  # fmt: skip
+        stopped = False
+        while p.poll() is None:
+            if done is not None and done():
+                os.killpg(p.pid, signal.SIGKILL)  # torchrun's agent and its ranks
+                stopped = True
+            time.sleep(0.5)
+    rc = 0 if stopped else p.returncode
     out = log.read_text().split("\n", 1)[1]
     wall = time.perf_counter() - t0
     with open(log, "a") as f:
-        f.write(f"\n[exit {r.returncode} after {wall:.0f}s]\n")
-    print(f"  {log.name}: exit {r.returncode} after {wall:.0f}s", flush=True)
-    return r.returncode, out
+        f.write(f"\n[exit {rc} after {wall:.0f}s{', stopped once done' if stopped else ''}]\n")
+    print(f"  {log.name}: exit {rc} after {wall:.0f}s{' (stopped once done)' if stopped else ''}",
+          flush=True)  # fmt: skip
+    return rc, out
 
 
 def read_setup(out: str, row: Row) -> None:
@@ -512,7 +523,7 @@ def llama_8b_args(train: Path, val: Path, cache: Path) -> list[str]:
 
 def row_llama_8b(work: Path) -> Row:
     """configs/llama-8b.toml on 4 GPUs (FSDP2): 4 steps, then the resume to 6, the export,
-    and 3 steps of a new run from it (`--init_from`, continued). A checkpoint holds fp32 weights and both AdamW moments, ~96 GB, and two exist
+    and the first step of a new run from it (`--init_from`, continued). A checkpoint holds fp32 weights and both AdamW moments, ~96 GB, and two exist
     while the second is written: the checkpoints and the export are deleted at the end,
     also where the row fails, so that the disk is free for what follows."""
     row = Row("llama-8b", "")
@@ -700,7 +711,7 @@ def first_difference(got: dict[int, float], want: dict[int, float], steps: range
 def continued(work: Path, preset: str, args: list[str], hf: Path, trained_loss: float,
               launcher=None) -> list[str]:  # fmt: skip
     """Continued pretraining from the export (`--init_from`, the compiled GPU path): a new
-    run of 3 steps whose first loss is the trained model's: nearer it than a random
+    run (ended once its first step is logged) whose first loss is the trained model's: nearer it than a random
     initialisation's ln(vocabulary) (a short run, as the 8B's, is not far below that).
     Problems, as one-line strings."""
     name = f"{preset}-continued"
@@ -708,7 +719,9 @@ def continued(work: Path, preset: str, args: list[str], hf: Path, trained_loss: 
     cmd = [*(launcher or TRAIN), *args, "--init_from", str(hf), "--out_dir", str(work / "runs"),
            "--name", name, "--max_steps", "3", "--eval_every", "0", "--samples", "0",
            "--ckpt_every", "0"]  # fmt: skip
-    rc, out = run(cmd, work / f"{name}.log")
+    # Its first loss is all that is read: the run is ended once step 1 is logged (its end's
+    # checkpoint, 96 GB at 8B, is not waited for).
+    rc, out = run(cmd, work / f"{name}.log", done=lambda: logged_step(work / "runs" / name) >= 1)
     log = work / "runs" / name / "train.log"
     first = read_step_lines(log.read_text())[:1] if log.exists() else []
     vocab = json.loads((hf / "config.json").read_text())["vocab_size"] if hf.exists() else 0

@@ -59,6 +59,25 @@ def test_the_multi_gpu_rows_are_rows_but_not_default_ones(acc, monkeypatch, tmp_
     assert acc.gpus_missing(row, 4) and row.note == "not run: needs 4 GPUs, this host has 1"
 
 
+def test_a_command_is_ended_with_its_children_once_what_the_row_needs_is_done(acc, tmp_path):
+    """run(done=...): the command and the process it started are killed once the check
+    holds (exit 0, said in the log); without a check the command's own exit code comes back."""
+    import os
+    import time
+
+    pid_file, log = tmp_path / "child.pid", tmp_path / "cmd.log"
+    script = f"sleep 120 & echo $! > {pid_file}; echo ready $((40 + 2)); wait"
+    t0 = time.perf_counter()
+    rc, out = acc.run(["bash", "-c", script], log, done=lambda: "ready 42" in log.read_text())
+    assert rc == 0 and "ready 42" in out and time.perf_counter() - t0 < 30
+    assert "stopped once done" in log.read_text()
+    child = int(pid_file.read_text())
+    time.sleep(0.2)
+    with pytest.raises(ProcessLookupError):  # the background child went with it
+        os.kill(child, 0)
+    assert acc.run(["bash", "-c", "exit 3"], tmp_path / "b.log")[0] == 3
+
+
 def test_the_8b_row_trains_the_preset_on_4_ranks_then_exports_it(acc, monkeypatch, tmp_path):
     cmds = []
 
