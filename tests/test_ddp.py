@@ -135,6 +135,23 @@ def _torchrun(n: int, port: int, script: str, *args: str) -> str:
 
 
 @pytest.mark.slow
+def test_fsdp2_shards_step_fused_with_clipping_and_skips_as_the_plain_step(tmp_path):
+    """FSDP2 with torch's fused AdamW (as on CUDA): the clip factor and the guard's skip go
+    to the kernel as 0-d tensors beside the sharded DTensors. The weights after a clipped
+    step, a skipped one (NaN loss) and two more equal the plain path's (clip_grad_norm_,
+    step) within rounding, and the skip left the step counts alone."""
+    _torchrun(2, next(PORTS), "fused_fsdp_worker.py", str(tmp_path / "out.pt"))
+    got = torch.load(tmp_path / "out.pt")
+    fused, plain = got["fused"], got["plain"]
+    assert fused["skips"] == plain["skips"] == [False, True, False, False]
+    assert fused["norms"] == pytest.approx(plain["norms"], rel=1e-5)
+    assert max(fused["norms"]) > 0.05  # the clip (at 0.05) did cut steps
+    assert fused["state_steps"] == plain["state_steps"] == [3.0] * 4
+    for a, b in zip(fused["weights"], plain["weights"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "after,mix,wrapper",
     [

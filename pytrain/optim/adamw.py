@@ -5,8 +5,8 @@ On CUDA the AdamW is fused, and the step needs neither a host sync nor a separat
 over the gradients: the clipping factor goes to the fused kernel as its `grad_scale`
 (each gradient is divided by it as it is read) and the skip decision of the step guard
 as its `found_inf` (weights, moments and step counts are left alone where it is 1).
-Elsewhere (CPU, FSDP2 shards, fp16 with a GradScaler) clipping is the usual
-`clip_grad_norm_` pass."""
+FSDP2's shards take that path too (each rank's kernel updates its shards). Elsewhere (CPU,
+fp16 with a GradScaler) clipping is the usual `clip_grad_norm_` pass."""
 
 from __future__ import annotations
 
@@ -56,12 +56,15 @@ def make_optimizer(
 
 def grad_norm(optimizer: torch.optim.Optimizer | MasterAdamW) -> torch.Tensor:
     """The total L2 norm of the gradients `optimizer` will step with (a 0-d tensor, no
-    host sync): its parameters' `.grad`, or MasterAdamW's own (fp32 sums under
-    accumulation)."""
+    host sync): its parameters' `.grad` (all ranks' shards under FSDP2), or MasterAdamW's
+    own (fp32 sums under accumulation)."""
     if isinstance(optimizer, MasterAdamW):
         return optimizer.grad_norm()
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    return nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    norm = nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    # FSDP2's gradients are shards (DTensors): their norm is one too, a partial sum on each
+    # rank until it is made whole.
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 def clip_scale(norm: torch.Tensor, max_norm: float) -> torch.Tensor:

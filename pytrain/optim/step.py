@@ -23,7 +23,6 @@ class OptimizerStep:
         optimizer,
         model: nn.Module,
         scaler,
-        sharded: bool,
         grad_clip: float,
         replicas: int = 0,
     ):
@@ -33,7 +32,6 @@ class OptimizerStep:
         pytrain.train.parallel, 'replicas')."""
         self.model = model
         self.scaler = scaler
-        self.sharded = sharded
         self.grad_clip = grad_clip
         self.master = isinstance(optimizer, MasterAdamW)
         # FSDP2 with float8 all-gathers: the weights' scales after each update.
@@ -82,14 +80,16 @@ class OptimizerStep:
 
     def step(self, guard, step: int, loss: torch.Tensor):
         """The gradient norm, the guard's decision (skip, running mean before), and the
-        clipped update or its skip. With a fused AdamW (CUDA, unsharded, no GradScaler)
-        clipping happens inside the optimizer and nothing waits for the device."""
+        clipped update or its skip. With a fused AdamW (CUDA, no GradScaler; FSDP2's shards
+        too) clipping happens inside the optimizer and nothing waits for the device."""
         max_norm = self.grad_clip
         if self.before_update is not None:
             self.before_update()
         if self.replicas:
             self.masters.all_reduce_grads(self.replicas)
-        fold = self.optimizer.defaults.get("fused") and not (self.sharded or self.scaler)
+        # FSDP2's shards take the fused path too: the kernel runs on each rank's shards, its
+        # two scalars replicated (DTensor takes a 0-d tensor as one).
+        fold = self.optimizer.defaults.get("fused") and not self.scaler
         if fold:
             norm = grad_norm(self.optimizer)
         else:
@@ -101,6 +101,8 @@ class OptimizerStep:
         bad, ema_before = guard.check(step, loss, norm)
         if fold:
             fused_step(self.optimizer, bad, norm, max_norm)
+            if self.after_update is not None:  # a skipped step leaves the scales as they were
+                self.after_update()
         elif self.scaler:
             bad = self._scaler_step(bad, loss, norm)
         elif not bool(bad):

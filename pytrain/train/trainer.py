@@ -139,7 +139,7 @@ class Trainer:
         )  # fmt: skip
         replicas = self.dist.world_size if self.plan.kind == "replicas" else 0
         self.opt_step = OptimizerStep(
-            self.optimizer, self.gpt, self.precision.scaler, self.sharded, o.grad_clip, replicas
+            self.optimizer, self.gpt, self.precision.scaler, o.grad_clip, replicas
         )
         self.guard = StepGuard(o.spike_factor, o.max_bad_steps, o.warmup_steps)
 
