@@ -42,6 +42,8 @@ torch.save(
         ],
         "grads": grads,
         "plan": t.plan.kind,
+        # FSDP2: whether the embedding is a unit of its own (gathered for the lookup only)
+        "embed_unit": type(t.gpt.embed).__name__.startswith("FSDP"),
         "denom": denom,
         "loader_state": t.loader.state_dict(),
     },

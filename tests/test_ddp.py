@@ -29,7 +29,7 @@ def cfg_args(small_corpus, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2", "fsdp2-selective", "replicas"])
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2", "fsdp2-selective", "fsdp2-untied", "replicas"])
 def test_two_process_gloo_matches_single_process(small_corpus, tmp_path, wrapper):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent.parent)}
     # bf16 replicas: each rank's bf16 gradients summed in fp32, the sums all-reduced once.
@@ -37,9 +37,10 @@ def test_two_process_gloo_matches_single_process(small_corpus, tmp_path, wrapper
     # fsdp2-selective: every block recomputed in the backward inside FSDP2's hooks (the
     # checkpoint sits in Block.forward), its gradients those of one process without it.
     selective = ["--fsdp", "--activation_checkpointing", "selective"]
-    flags = {"ddp": [], "fsdp2": ["--fsdp"], "fsdp2-selective": selective, "replicas": bf16}[
-        wrapper
-    ]
+    # fsdp2-untied: the embedding apart from the output layer, a unit of FSDP2's own.
+    untied = ["--model.tie_embeddings", "false"]
+    flags = {"ddp": [], "fsdp2": ["--fsdp"], "fsdp2-selective": selective,
+             "fsdp2-untied": ["--fsdp", *untied], "replicas": bf16}[wrapper]  # fmt: skip
     port = next(PORTS)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
            str(Path(__file__).parent / "ddp_worker.py"), str(tmp_path), *cfg_args(small_corpus, tmp_path), *flags]  # fmt: skip
@@ -51,13 +52,15 @@ def test_two_process_gloo_matches_single_process(small_corpus, tmp_path, wrapper
         for b in ranks[1]["batches"]:
             assert not torch.equal(a["input_ids"], b["input_ids"])
     assert ranks[0]["loader_state"] == ranks[1]["loader_state"]  # one state for every rank
-    assert ranks[0]["plan"] == wrapper.removesuffix("-selective")
+    assert ranks[0]["plan"] == wrapper.split("-")[0]
+    assert ranks[0]["embed_unit"] == (wrapper == "fsdp2-untied")
     # All-reduced gradients are the same on both ranks ...
     assert ranks[0]["grads"].keys() == ranks[1]["grads"].keys()
     for name, g0 in ranks[0]["grads"].items():
         torch.testing.assert_close(g0, ranks[1]["grads"][name])
     # ... and equal to one process over the union of both ranks' micro-batches.
-    extra = ["--model.n_layer", "2", *(bf16 if wrapper == "replicas" else [])]
+    extra = ["--model.n_layer", "2", *(bf16 if wrapper == "replicas" else []),
+             *(untied if wrapper == "fsdp2-untied" else [])]  # fmt: skip
     single = Trainer(small_cfg(small_corpus, tmp_path / "single", *extra))
     union = [
         DeviceBatch(**b, epoch=0, doc_tokens=0, pad_tokens=0) for rk in ranks for b in rk["batches"]

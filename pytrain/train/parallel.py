@@ -15,7 +15,7 @@ at start-up and said in one line, and the wrapping itself.
 - `ddp`: torch's DistributedDataParallel, where the parameters are fp32 (fp32 or fp16 runs,
   `--optim.master_weights off`, Muon): it averages gradients on the last micro-batch
   (`no_sync` before), in buckets that overlap the backward.
-- `fsdp2`: FSDP2's `fully_shard` per block: each rank holds a shard of the parameters,
+- `fsdp2`: FSDP2's `fully_shard` per block (and on an untied embedding): each rank holds a shard of the parameters,
   gradients and optimizer state; with bf16, parameters are gathered in bf16 and gradients
   reduce-scattered in fp32 after every micro-batch's backward (its MixedPrecisionPolicy,
   as torchtitan sets it; `no_sync` below says why every micro-batch). Over several nodes it
@@ -170,8 +170,14 @@ def wrap(
             if dtype == torch.bfloat16
             else MixedPrecisionPolicy()
         )
-        for block in model.gpt.blocks:  # type: ignore[union-attr]
+        gpt = model.gpt
+        for block in gpt.blocks:  # type: ignore[union-attr]
             fully_shard(block, mesh=mesh, mp_policy=mp)
+        if gpt.embed.weight is not gpt.head.weight:  # type: ignore[union-attr]
+            # An untied embedding is a unit of its own, gathered for the lookup and freed
+            # after it (as torchtitan shards it), rather than held with the root's output
+            # layer through the whole forward and backward: 1 GB at 8B's vocabulary.
+            fully_shard(gpt.embed, mesh=mesh, mp_policy=mp)  # type: ignore[union-attr,arg-type]
         fully_shard(model, mesh=mesh, mp_policy=mp)
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP
