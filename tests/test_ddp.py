@@ -114,14 +114,22 @@ def torchrun_train(small_corpus, tmp_path, name: str, port: int, *flags: str) ->
 
 
 @pytest.mark.slow
-def test_fsdp2_checkpoint_resumes_exactly(small_corpus, tmp_path):
+@pytest.mark.parametrize("moments", ["fp32", "bf16"])
+def test_fsdp2_checkpoint_resumes_exactly(small_corpus, tmp_path, moments):
     # A resumed 2-rank FSDP2 run continues with the losses of an uninterrupted one, bit for
-    # bit, and ends with the same weights.
-    whole = losses_by_step(torchrun_train(small_corpus, tmp_path, "whole", next(PORTS)))
-    torchrun_train(small_corpus, tmp_path, "cut", next(PORTS), "--halt_after", "3")
+    # bit, and ends with the same weights; with bf16 moments (CompactAdamW) too, whose
+    # checkpoint holds them in bf16.
+    flags = ("--optim.state_dtype", moments)
+    whole = losses_by_step(torchrun_train(small_corpus, tmp_path, "whole", next(PORTS), *flags))
+    torchrun_train(small_corpus, tmp_path, "cut", next(PORTS), "--halt_after", "3", *flags)
     ckpts = sorted((tmp_path / "runs" / "cut").glob("ckpt-*"))
     assert ckpts, "the halted run wrote no checkpoint"
-    resumed = losses_by_step(torchrun_train(small_corpus, tmp_path, "cut", next(PORTS)))
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(str(ckpts[-1])).read_metadata().state_dict_metadata
+    dtypes = {m.properties.dtype for k, m in saved.items() if k.endswith("exp_avg_sq")}
+    assert dtypes == {torch.bfloat16 if moments == "bf16" else torch.float32}
+    resumed = losses_by_step(torchrun_train(small_corpus, tmp_path, "cut", next(PORTS), *flags))
     assert len(whole) == 6 and set(resumed) >= {4, 5, 6}
     for step in (4, 5, 6):
         assert resumed[step] == whole[step], (step, resumed[step], whole[step])

@@ -9,7 +9,6 @@ import textwrap
 import pytest
 import torch
 
-from pytrain.config import ConfigError
 from pytrain.optim import adamw as optim
 from pytrain.optim.master_adamw import MasterAdamW
 from pytrain.train import checkpoint
@@ -216,9 +215,10 @@ def test_trainer_with_master_weights_resumes_exactly_and_saves_fp32_weights(smal
     assert losses[1] + losses[2] == losses[0]
     saved = checkpoint.read(sorted((tmp_path / "d" / "runs" / "t").glob("ckpt-*.pt"))[-1])
     assert saved["optimizer"]["exp_avg"].dtype == torch.bfloat16
-    # Without master weights there is nothing to keep bf16 moments beside: one line.
-    with pytest.raises(ConfigError, match="optim.state_dtype=bf16 keeps AdamW's moments"):
-        Trainer(small_cfg(small_corpus, tmp_path / "e", "--optim.state_dtype", "bf16"))
+    # Without master weights (fp32 parameters) CompactAdamW keeps the bf16 moments.
+    compact = Trainer(small_cfg(small_corpus, tmp_path / "e", "--optim.state_dtype", "bf16"))
+    assert type(compact.optimizer).__name__ == "CompactAdamW"
+    compact.close()
     # The optimizer state differs between the modes: resuming in the other one is refused.
     other = [a if a != "on" else "off" for a in extra]
     with pytest.raises(CheckpointMismatch, match="resume it with --optim.master_weights on"):

@@ -40,9 +40,10 @@ class OptimConfig:
     (pytrain.optim.master_adamw): 'auto' (on for bf16 on CUDA in one process), 'on', 'off'
     (fp32 parameters under autocast)."""
     state_dtype: str = "fp32"
-    """AdamW's two moments with master weights: 'fp32', or 'bf16' (4 bytes a parameter
-    less: 12.8 GB at 3.2B; the update still computes in fp32; DeepSeek-V3 keeps them so).
-    Needs master weights (optim.master_weights; not FSDP2 or Muon)."""
+    """AdamW's two moments: 'fp32', or 'bf16' (4 bytes a parameter less: 12.8 GB at 3.2B,
+    7.5 GiB a GPU for the 8B over 4; the update still computes in fp32 and rounds once;
+    DeepSeek-V3 keeps them so). With master weights MasterAdamW keeps them, otherwise
+    (FSDP2, fp32 parameters) pytrain.optim.compact_adamw; not Muon."""
     muon_lr: float = 0.02
     """optim.name=muon: peak learning rate of the Muon group (same schedule as optim.lr)."""
     muon_momentum: float = 0.95

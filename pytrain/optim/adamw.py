@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from pytrain.config import OptimConfig
+from pytrain.optim.compact_adamw import CompactAdamW
 from pytrain.optim.master_adamw import STATE_DTYPES, MasterAdamW
 
 
@@ -39,7 +40,8 @@ def make_optimizer(
     model: nn.Module, o: OptimConfig, device: torch.device, master: bool = False
 ) -> torch.optim.Optimizer | MasterAdamW:
     """AdamW; weight decay on matrices only (not norms); fused on CUDA. With `master`,
-    the parameters become bf16 and the optimizer a MasterAdamW holding their fp32 copies."""
+    the parameters become bf16 and the optimizer a MasterAdamW holding their fp32 copies;
+    without, moments smaller than fp32 (optim.state_dtype) make it a CompactAdamW."""
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
@@ -48,9 +50,11 @@ def make_optimizer(
         {"params": no_decay, "weight_decay": 0.0},
     ]
     betas = (o.beta1, o.beta2)
+    state = STATE_DTYPES[o.state_dtype]
     if master:
-        state = STATE_DTYPES[o.state_dtype]
         return MasterAdamW(groups, lr=o.lr, betas=betas, dtype=torch.bfloat16, state_dtype=state)
+    if state != torch.float32:  # fp32 parameters (FSDP2's shards), smaller moments
+        return CompactAdamW(groups, lr=o.lr, betas=betas, state_dtype=state)
     return torch.optim.AdamW(groups, lr=o.lr, betas=betas, fused=device.type == "cuda")
 
 

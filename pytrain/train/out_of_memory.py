@@ -60,7 +60,7 @@ def line(e: BaseException, cfg, step: int | None) -> str:
     fixes = []
     if step is None:
         where = "while setting up the model and optimizer"
-        if cfg.optim.name == "adamw" and cfg.optim.state_dtype == "fp32" and world == 1:
+        if cfg.optim.name == "adamw" and cfg.optim.state_dtype == "fp32":
             fixes.append(
                 "--optim.state_dtype bf16 (AdamW's moments in bf16: 4 bytes a parameter less)"
             )

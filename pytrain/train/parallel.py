@@ -76,8 +76,8 @@ class Plan:
 
 def state_bytes(model: torch.nn.Module, master: bool, state_dtype: str = "fp32") -> int:
     """Bytes of parameters, gradients and AdamW moments: 2 + 4 (masters) + 4 (fp32 gradient
-    sums) + 8 with master weights (4 with bf16 moments), 4 + 4 + 8 with fp32 parameters."""
-    per_param = 10 + 2 * STATE_DTYPES[state_dtype].itemsize if master else 16
+    sums) + 8 with master weights, 4 + 4 + 8 with fp32 parameters; bf16 moments 4 less."""
+    per_param = (10 if master else 8) + 2 * STATE_DTYPES[state_dtype].itemsize
     return per_param * sum(p.numel() for p in model.parameters())
 
 

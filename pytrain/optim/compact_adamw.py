@@ -1,0 +1,144 @@
+"""AdamW over fp32 parameters with its two moments stored in bf16 (optim.state_dtype bf16
+where the parameters are not bf16 with masters: FSDP2's shards, fp32 runs).
+
+FSDP2 keeps each rank's shard of the parameters, their gradients and AdamW's two moments in
+fp32: 16 bytes a parameter. Moments in bf16 make it 12 (the 8B over 4 GPUs: 7.5 GiB a GPU
+less, and a checkpoint of 8 bytes a parameter instead of 12). The update computes in fp32
+and rounds each moment once, to nearest, as pytrain.optim.master_adamw does (DeepSeek-V3
+trains with bf16 moments so); parameters and gradients stay fp32.
+
+torch's fused AdamW needs the moments in the parameters' dtype, so the update is a function
+of its own: the same arithmetic as torch.optim.AdamW (decoupled weight decay, bias-corrected
+moments), one call per parameter on its local tensors (a shard's, under FSDP2), compiled on
+CUDA into one kernel that reads and writes each tensor once (one graph for every size). It
+takes the fused AdamW's two attributes, so the trainer's step is the same for both
+(pytrain.optim.adamw.fused_step): `grad_scale` (the gradients are divided by it: clipping)
+and `found_inf` (where it is 1, weights, moments and step counts are left alone: the
+guard's skip, decided on the device).
+
+Its state is torch's AdamW's (`step`, `exp_avg`, `exp_avg_sq` per parameter), so DCP
+saves and reshards it as it does torch's, and a checkpoint of either optimizer resumes in
+the other (the moments are cast on loading)."""
+
+from __future__ import annotations
+
+import torch
+
+from pytrain.optim.master_adamw import STATE_DTYPES
+
+__all__ = ["STATE_DTYPES", "CompactAdamW", "adamw_update"]
+
+
+def adamw_update(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    step: torch.Tensor,
+    hyper: torch.Tensor,
+    scale: torch.Tensor,
+    skip: torch.Tensor,
+) -> None:
+    """One AdamW update of `p` in place (1-D views). `hyper`: lr, weight decay, beta1,
+    beta2, eps (a tensor, so a new learning rate is not a new compiled graph); `step` is
+    counted here; where `skip` is nonzero nothing changes."""
+    lr, decay, beta1, beta2, eps = hyper.unbind()
+    keep = skip == 0
+    t = step + keep.to(step.dtype)
+    g = g.float() / scale
+    m0, v0 = m.float(), v.float()
+    m1 = m0 + (1.0 - beta1) * (g - m0)
+    v1 = v0 * beta2 + (1.0 - beta2) * g * g
+    bias1 = 1.0 - beta1**t
+    bias2_sqrt = (1.0 - beta2**t).sqrt()
+    p1 = p * (1.0 - lr * decay) - (lr / bias1) * m1 / (v1.sqrt() / bias2_sqrt + eps)
+    p.copy_(torch.where(keep, p1, p))
+    m.copy_(torch.where(keep, m1, m0))
+    v.copy_(torch.where(keep, v1, v0))
+    step.copy_(t)
+
+
+_compiled = None
+
+
+def _update_fn(device: torch.device):
+    """adamw_update, compiled on CUDA (one graph for any size: dynamic shapes); as it is
+    elsewhere."""
+    global _compiled
+    if device.type != "cuda":
+        return adamw_update
+    if _compiled is None:
+        _compiled = torch.compile(adamw_update, dynamic=True, fullgraph=True)
+    return _compiled
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's local part (its shard under FSDP2), flat."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.view(-1)
+
+
+class CompactAdamW(torch.optim.Optimizer):
+    """torch.optim.AdamW with the moments stored in `state_dtype` (see the module)."""
+
+    def __init__(
+        self,
+        params,
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        state_dtype: torch.dtype = torch.bfloat16,
+    ):
+        # "fused": clipping and the skip are taken as grad_scale and found_inf (fused_step).
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
+                    "fused": True}  # fmt: skip
+        super().__init__(params, defaults)
+        self.state_dtype = state_dtype
+        self.grad_scale: torch.Tensor | None = None
+        self.found_inf: torch.Tensor | None = None
+        # The state exists from the start, in its dtype: the checkpoint's size is known
+        # before the first step (pytrain.train.disk), and DCP need not make it by a step.
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p] = {
+                    "step": torch.zeros((), dtype=torch.float32, device=_local(p).device),
+                    "exp_avg": torch.zeros_like(p, dtype=state_dtype),
+                    "exp_avg_sq": torch.zeros_like(p, dtype=state_dtype),
+                }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's loading casts the moments to the parameters' dtype (fp32): back to
+        this optimizer's, and the step counts onto the parameters' device."""
+        super().load_state_dict(state_dict)
+        for p, st in self.state.items():
+            for k in ("exp_avg", "exp_avg_sq"):
+                if k in st and st[k].dtype != self.state_dtype:
+                    st[k] = st[k].to(self.state_dtype)
+            if "step" in st:
+                st["step"] = torch.as_tensor(st["step"], dtype=torch.float32).to(_local(p).device)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("CompactAdamW takes no closure")
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            device = _local(params[0]).device
+            update = _update_fn(device)
+            beta1, beta2 = group["betas"]
+            hyper = torch.tensor(
+                [group["lr"], group["weight_decay"], beta1, beta2, group["eps"]],
+                dtype=torch.float32,
+            ).to(device, non_blocking=True)
+            one, zero = torch.ones((), device=device), torch.zeros((), device=device)
+            scale = one if self.grad_scale is None else self.grad_scale.float()
+            skip = zero if self.found_inf is None else self.found_inf.float()
+            scale, skip = _local(scale).view(()), _local(skip).view(())
+            for p in params:
+                st = self.state[p]
+                update(_local(p), _local(p.grad), _local(st["exp_avg"]),
+                       _local(st["exp_avg_sq"]), st["step"], hyper, scale, skip)  # fmt: skip
+        return None

@@ -1,0 +1,113 @@
+"""CompactAdamW (pytrain/optim/compact_adamw.py): AdamW over fp32 parameters with the moments
+stored in bf16; against torch.optim.AdamW, through clipping and a skipped step, its state
+loaded by either optimizer, and its compiled update equal to the eager one."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from pytrain.optim.compact_adamw import CompactAdamW, adamw_update
+
+
+def model_and_grads(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(12, 20), torch.nn.LayerNorm(20), torch.nn.Linear(20, 4)
+    )
+    grads = [[torch.randn_like(p) for p in model.parameters()] for _ in range(5)]
+    return model, grads
+
+
+def groups(model):
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+
+
+def run(opt, model, grads, scales=None, skips=None):
+    for i, gs in enumerate(grads):
+        for p, g in zip(model.parameters(), gs, strict=True):
+            p.grad = g.clone()
+        if scales is not None:
+            opt.grad_scale = torch.tensor(scales[i])
+            opt.found_inf = torch.tensor(float(skips[i]))
+        opt.step()
+
+
+def test_fp32_moments_follow_torch_adamw_through_clipping_and_a_skip():
+    ours_model, grads = model_and_grads()
+    theirs_model = copy.deepcopy(ours_model)
+    ours = CompactAdamW(groups(ours_model), lr=1e-2, betas=(0.9, 0.95), state_dtype=torch.float32)
+    theirs = torch.optim.AdamW(groups(theirs_model), lr=1e-2, betas=(0.9, 0.95))
+    scales, skips = [1.0, 2.5, 1.0, 4.0, 1.0], [0, 0, 1, 0, 0]
+    run(ours, ours_model, grads, scales, skips)
+    # torch's: the gradients divided by the scale, the skipped step not taken.
+    for i, gs in enumerate(grads):
+        if skips[i]:
+            continue
+        for p, g in zip(theirs_model.parameters(), gs, strict=True):
+            p.grad = g / scales[i]
+        theirs.step()
+    for a, b in zip(ours_model.parameters(), theirs_model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    for p in ours_model.parameters():
+        assert float(ours.state[p]["step"]) == 4.0  # the skip left the counts alone
+
+
+def test_bf16_moments_are_stored_in_bf16_and_stay_near_fp32s():
+    model, grads = model_and_grads(1)
+    wide = copy.deepcopy(model)
+    ours = CompactAdamW(groups(model), lr=1e-2, betas=(0.9, 0.95))
+    ref = CompactAdamW(groups(wide), lr=1e-2, betas=(0.9, 0.95), state_dtype=torch.float32)
+    run(ours, model, grads[:1])
+    run(ref, wide, grads[:1])
+    p0 = next(model.parameters())
+    st, ref_st = ours.state[p0], ref.state[next(wide.parameters())]
+    assert st["exp_avg"].dtype == st["exp_avg_sq"].dtype == torch.bfloat16
+    assert p0.dtype == torch.float32
+    # After one step each moment is the fp32 one rounded to nearest once.
+    assert torch.equal(st["exp_avg"], ref_st["exp_avg"].bfloat16())
+    assert torch.equal(st["exp_avg_sq"], ref_st["exp_avg_sq"].bfloat16())
+    run(ours, model, grads[1:])
+    run(ref, wide, grads[1:])
+    for a, b in zip(model.parameters(), wide.parameters(), strict=True):
+        assert not torch.equal(a, b)  # the rounding shows ...
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-3)  # ... within a few steps' lr
+
+
+def test_its_state_loads_into_torch_adamw_and_back():
+    model, grads = model_and_grads(2)
+    ours = CompactAdamW(groups(model), lr=1e-2, betas=(0.9, 0.95))
+    run(ours, model, grads[:3])
+    saved = copy.deepcopy(ours.state_dict())
+    theirs = torch.optim.AdamW(groups(model), lr=1e-2, betas=(0.9, 0.95))
+    theirs.load_state_dict(saved)
+    p0 = next(model.parameters())
+    assert theirs.state[p0]["exp_avg"].dtype == torch.float32
+    assert torch.equal(theirs.state[p0]["exp_avg"], ours.state[p0]["exp_avg"].float())
+    back = CompactAdamW(groups(model), lr=1e-2, betas=(0.9, 0.95))
+    back.load_state_dict(copy.deepcopy(theirs.state_dict()))
+    assert back.state[p0]["exp_avg_sq"].dtype == torch.bfloat16
+    assert torch.equal(back.state[p0]["exp_avg_sq"], ours.state[p0]["exp_avg_sq"])
+    assert float(back.state[p0]["step"]) == 3.0
+
+
+@pytest.mark.slow  # Inductor compiles a C++ kernel
+def test_the_compiled_update_equals_the_eager_one_at_any_size():
+    compiled = torch.compile(adamw_update, dynamic=True, fullgraph=True)
+    hyper = torch.tensor([1e-2, 0.1, 0.9, 0.95, 1e-8])
+    for n, skip in ((1000, 0.0), (37, 0.0), (4096, 1.0)):
+        torch.manual_seed(n)
+        p, g = torch.randn(n), torch.randn(n)
+        m, v = (0.1 * torch.randn(n)).bfloat16(), (0.1 * torch.rand(n)).bfloat16()
+        step = torch.tensor(3.0)
+        args = (p, g, m, v, step)
+        mine = [a.clone() for a in args]
+        adamw_update(*args, hyper, torch.tensor(2.0), torch.tensor(skip))
+        compiled(*mine, hyper, torch.tensor(2.0), torch.tensor(skip))
+        for a, b in zip(args, mine, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        assert float(step) == (3.0 if skip else 4.0)
