@@ -489,6 +489,44 @@ def master_adamw_kernels_against_torch(state: torch.dtype) -> None:
 
 
 @needs_cuda
+def test_compact_adamw_compiles_on_the_gpu_and_follows_torch_adamw():
+    """CompactAdamW on CUDA (its update compiled, one graph for every size): with fp32
+    moments it follows torch's fused AdamW through a clipped and a skipped step; with bf16
+    moments it stores them in bf16 and stays near."""
+    from pytrain.optim import adamw as optim
+    from pytrain.optim.compact_adamw import CompactAdamW
+
+    shapes = [(4096, 1024), (1024,), (3000, 512), (7,)]
+    runs = {}
+    for name in ("torch", "fp32", "bf16"):
+        g = torch.Generator(device="cuda").manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s, device="cuda", generator=g)) for s in shapes]
+        groups = [
+            {"params": [p for p in params if p.dim() > 1], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() == 1], "weight_decay": 0.0},
+        ]
+        opt = (
+            torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.95), fused=True)
+            if name == "torch"
+            else CompactAdamW(groups, lr=3e-3, betas=(0.9, 0.95),
+                              state_dtype=torch.float32 if name == "fp32" else torch.bfloat16)
+        )  # fmt: skip
+        for step in range(4):
+            for p in params:
+                p.grad = torch.randn(p.shape, device="cuda", generator=g)
+            norm = optim.grad_norm(opt)
+            optim.fused_step(opt, torch.tensor(step == 1, device="cuda"), norm, 1.0)
+        runs[name] = (params, opt)
+    for a, b in zip(runs["torch"][0], runs["fp32"][0], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    params, opt = runs["bf16"]
+    assert all(opt.state[p]["exp_avg"].dtype == torch.bfloat16 for p in params)
+    assert all(float(opt.state[p]["step"]) == 3.0 for p in params)
+    for a, b in zip(runs["torch"][0], params, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-3)
+
+
+@needs_cuda
 def test_cli_run_with_evaluation_checkpoints_and_resume(tmp_path: Path):
     """The path users take: `python -m pytrain.train` on CUDA, compiled (FlexAttention
     document masking), evaluating three times with 2 loader slots (the first evaluation
