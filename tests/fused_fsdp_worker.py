@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 from pytrain.optim.step import OptimizerStep
+from pytrain.train import distributed
 from pytrain.train.guard import StepGuard
 
 dist.init_process_group("gloo")
@@ -42,4 +43,5 @@ for fused in (True, False):
     }
 if dist.get_rank() == 0:
     torch.save(out, sys.argv[1])
-dist.destroy_process_group()
+dist.barrier()
+distributed.exit_process(0)  # no interpreter teardown with gloo's threads alive
