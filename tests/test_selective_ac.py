@@ -292,3 +292,18 @@ def test_the_trainer_gives_every_block_the_policy(small_corpus, tmp_path):
     ]))  # fmt: skip
     assert [b.recompute for b in t.gpt.blocks] == [{"context_fn": selective_ac.context}] * 3
     assert t.ckpt_every == 1
+
+
+def test_torch_compiles_in_place_warning_is_dropped_and_nothing_else():
+    import logging
+
+    wrap = logging.getLogger("torch._higher_order_ops.wrap")  # filtered on selective_ac's import
+    assert selective_ac.KEPT
+
+    def passes(msg: str) -> bool:
+        record = wrap.makeRecord(wrap.name, logging.WARNING, __file__, 1, msg, None, None)
+        return all(f.filter(record) for f in wrap.filters)
+
+    assert not passes("\nDetected that context_fn is passed to torch.utils.checkpoint under "
+                      "torch.compile.\nPlease make sure ...")  # fmt: skip
+    assert passes("another warning of the same module")

@@ -17,6 +17,7 @@ import) or absent here (FA4's kernels need a GPU, quack is optional) is still re
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -121,3 +122,16 @@ def context():
     """`torch.utils.checkpoint.checkpoint`'s context_fn: a fresh pair of contexts for each
     checkpointed call."""
     return create_selective_checkpoint_contexts(policy)
+
+
+class _InPlaceWarning(logging.Filter):
+    """Drops torch.compile's warning that a checkpoint with a context_fn must not hold
+    in-place ops: `kept` above is what answers it (an op that writes its arguments is kept
+    only while traced; COMPILE.md), and every rank printed it four lines long at each
+    start."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "context_fn is passed to torch.utils.checkpoint" not in record.getMessage()
+
+
+logging.getLogger("torch._higher_order_ops.wrap").addFilter(_InPlaceWarning())
