@@ -15,18 +15,18 @@ at start-up and said in one line, and the wrapping itself.
 - `ddp`: torch's DistributedDataParallel, where the parameters are fp32 (fp32 or fp16 runs,
   `--optim.master_weights off`, Muon): it averages gradients on the last micro-batch
   (`no_sync` before), in buckets that overlap the backward.
-- `fsdp2`: FSDP2's `fully_shard` per block (and on an untied embedding): each rank holds a shard of the parameters,
-  gradients and optimizer state; with bf16, parameters are gathered in bf16 and gradients
-  reduce-scattered in fp32 after every micro-batch's backward (its MixedPrecisionPolicy,
-  as torchtitan sets it; `no_sync` below says why every micro-batch). Over several nodes it
-  is HSDP: a 2-D device mesh (replicate x shard), FSDP2 within each group of
-  `fsdp_shard_size` ranks and the groups replicas of each other. Gradients are
-  reduce-scattered within a group and the shards all-reduced between the groups, so the
-  per-block all-gathers of the forward and backward stay on a node's links (NVLink) and
-  only one all-reduce of a shard's gradients a step crosses the network. fsdp_shard_size
-  0 (auto) takes a node's ranks (torchrun's LOCAL_WORLD_SIZE) where the job has several
-  nodes, and all ranks on one node (plain FSDP2); a number N takes groups of N ranks (N =
-  the world's size: FSDP2 over every rank of every node, the most memory saved).
+- `fsdp2`: FSDP2's `fully_shard` per block (and on an untied embedding): each rank holds a
+  shard of the parameters, gradients and optimizer state; with bf16, parameters are
+  gathered in bf16 and gradients reduce-scattered in fp32 after every micro-batch's
+  backward (its MixedPrecisionPolicy, as torchtitan sets it; `no_sync` below says why every
+  micro-batch). Over several nodes it is HSDP: a 2-D device mesh (replicate x shard), FSDP2
+  within each group of `fsdp_shard_size` ranks and the groups replicas of each other.
+  Gradients are reduce-scattered within a group and the shards all-reduced between the
+  groups, so the per-block all-gathers of the forward and backward stay on a node's links
+  (NVLink) and only one all-reduce of a shard's gradients a step crosses the network.
+  fsdp_shard_size 0 (auto) takes a node's ranks (torchrun's LOCAL_WORLD_SIZE) where the job
+  has several nodes, and all ranks on one node (plain FSDP2); a number N takes groups of N
+  ranks (N = the world's size: FSDP2 over every rank of every node, the most memory saved).
 
 `--fsdp` asks for FSDP2, `--no-fsdp` for the replicated kinds; by default (auto) FSDP2 is
 used when the model's training state would take more than a quarter of one GPU's memory,
