@@ -62,7 +62,6 @@ def test_the_multi_gpu_rows_are_rows_but_not_default_ones(acc, monkeypatch, tmp_
 def test_a_command_is_ended_with_its_children_once_what_the_row_needs_is_done(acc, tmp_path):
     """run(done=...): the command and the process it started are killed once the check
     holds (exit 0, said in the log); without a check the command's own exit code comes back."""
-    import os
     import time
 
     pid_file, log = tmp_path / "child.pid", tmp_path / "cmd.log"
@@ -72,9 +71,18 @@ def test_a_command_is_ended_with_its_children_once_what_the_row_needs_is_done(ac
     assert rc == 0 and "ready 42" in out and time.perf_counter() - t0 < 30
     assert "stopped once done" in log.read_text()
     child = int(pid_file.read_text())
-    time.sleep(0.2)
-    with pytest.raises(ProcessLookupError):  # the background child went with it
-        os.kill(child, 0)
+
+    def alive(pid: int) -> bool:  # a killed process not yet reaped is a zombie ("Z"): dead
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.perf_counter() + 10
+    while alive(child) and time.perf_counter() < deadline:
+        time.sleep(0.1)
+    assert not alive(child)  # the background child went with it
     assert acc.run(["bash", "-c", "exit 3"], tmp_path / "b.log")[0] == 3
 
 
