@@ -495,6 +495,7 @@ def test_compact_adamw_compiles_on_the_gpu_and_follows_torch_adamw():
     moments it stores them in bf16 and stays near."""
     from pytrain.optim import adamw as optim
     from pytrain.optim.compact_adamw import CompactAdamW
+    from pytrain.train.compile_policy import compiled_graphs
 
     shapes = [(4096, 1024), (1024,), (3000, 512), (7,)]
     runs = {}
@@ -511,11 +512,13 @@ def test_compact_adamw_compiles_on_the_gpu_and_follows_torch_adamw():
             else CompactAdamW(groups, lr=3e-3, betas=(0.9, 0.95),
                               state_dtype=torch.float32 if name == "fp32" else torch.bfloat16)
         )  # fmt: skip
+        graphs = compiled_graphs()  # CompactAdamW compiled its update when made
         for step in range(4):
             for p in params:
                 p.grad = torch.randn(p.shape, device="cuda", generator=g)
             norm = optim.grad_norm(opt)
             optim.fused_step(opt, torch.tensor(step == 1, device="cuda"), norm, 1.0)
+        assert compiled_graphs() == graphs  # no graph after the start (one for every size)
         runs[name] = (params, opt)
     for a, b in zip(runs["torch"][0], runs["fp32"][0], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -106,6 +106,20 @@ class CompactAdamW(torch.optim.Optimizer):
                     "exp_avg": torch.zeros_like(p, dtype=state_dtype),
                     "exp_avg_sq": torch.zeros_like(p, dtype=state_dtype),
                 }
+        if self.param_groups and self.param_groups[0]["params"]:
+            self._compile_now(_local(self.param_groups[0]["params"][0]).device)
+
+    def _compile_now(self, device: torch.device) -> None:
+        """Compiles the update here, on scratch tensors, rather than at the first step: the
+        trainer counts the graphs its warm-up made, and one made later reads as a
+        recompile. 16 elements: Dynamo would specialise a size of 1."""
+        if device.type != "cuda":
+            return
+        p, g = torch.zeros(16, device=device), torch.zeros(16, device=device)
+        m, v = (torch.zeros(16, dtype=self.state_dtype, device=device) for _ in range(2))
+        one = torch.ones((), device=device)
+        hyper = torch.tensor([0.0, 0.0, 0.9, 0.95, 1e-8], device=device)
+        _update_fn(device)(p, g, m, v, torch.zeros((), device=device), hyper, one, one)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's loading casts the moments to the parameters' dtype (fp32): back to
