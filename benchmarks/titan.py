@@ -4,7 +4,8 @@ with torchtitan, in one command.
     PYTHONPATH=$PWD python benchmarks/titan.py --titan-site DIR [--tokenizer tokenizer.json] \
         [--text corpus.jsonl] [--seq 2048,4096] [--steps 40]
     PYTHONPATH=$PWD python benchmarks/titan.py --titan-site DIR --shape 8b --gpus 4 \
-        --seq 8192 --rows 1 --accum 2 --steps 10 [--ours-ac every-2,selective]
+        --seq 8192 --rows 1 --accum 2 --steps 10 [--ours-ac every-2,selective] \
+        [--ours-variant 'bf16 moments=--optim.state_dtype bf16']
 
 DIR holds torchtitan and its dependencies as pinned in benchmarks/titan.requirements.txt
 (`pip install --no-deps --target DIR` of those wheels; the GPU hosts have no network).
@@ -19,7 +20,8 @@ embeddings, so its model has 262M parameters more than ours (configs/llama-1b.to
 as Llama-3.2-1B does). --shape 8b takes its own 8B flavor (Llama-3.1-8B's shape, as
 configs/llama-8b.toml), both sides under torchrun over --gpus GPUs with FSDP2, torchtitan
 with its 8B recipe's selective activation checkpointing (per op) and ours with the preset's
-(--ours-ac runs ours with each of several); its float8 runs as its recipes set them, the
+(--ours-ac runs ours with each of several; --ours-variant NAME=FLAGS with named flags, a
+row each); its float8 runs as its recipes set them, the
 weights all-gathered in float8 with precomputed scales. Ours trains on synthetic ids at the
 same vocabulary (128256) through the real loader: tokens/s do not depend on the text.
 
@@ -287,6 +289,21 @@ def split_and_pack(work: Path, corpus: Path, tokenizer: Path) -> tuple[Path, tup
     return val_dir, (packed / "train", packed / "val")
 
 
+def ours_variants(ac: str, named: list[str]) -> list[tuple[str | None, list[str]]]:
+    """(row name, trainer flags) of each way ours runs: the activation checkpointing
+    policies of --ours-ac, then each --ours-variant NAME=FLAGS; the preset as it is (no
+    name) where neither is given."""
+    out: list[tuple[str | None, list[str]]] = [
+        (a.strip(), ["--activation_checkpointing", a.strip()]) for a in ac.split(",") if a.strip()
+    ]
+    for spec in named:
+        name, eq, flags = spec.partition("=")
+        if not eq or not name.strip():
+            raise ValueError(f"--ours-variant {spec!r}: expected NAME=FLAGS")
+        out.append((name.strip(), shlex.split(flags)))
+    return out or [(None, [])]
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--titan-run":
         titan_worker(sys.argv[2:])
@@ -316,6 +333,11 @@ def main() -> int:
     p.add_argument("--ours-flags", default="",
                    help="trainer flags added to every run of ours, one shell string "
                    "(e.g. \"--model.fused_swiglu on\")")  # fmt: skip
+    p.add_argument("--ours-variant", action="append", default=[], metavar="NAME=FLAGS",
+                   help="run each of ours once more with these trainer flags, its row named "
+                   "NAME (repeatable; an empty FLAGS is the preset's own setting), e.g. "
+                   "--ours-variant 'fp32 moments=' --ours-variant 'bf16 moments=--optim."
+                   "state_dtype bf16'")  # fmt: skip
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "pytrain-titan")
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="a tokenizer.json for torchtitan's text loader (default: the embedded default's BPE)")  # fmt: skip
@@ -326,8 +348,14 @@ def main() -> int:
                    "document held out, the validation loss at the last step (--steps); each side's "
                    "float8 run against its bf16 run (goal: within 1%%)")  # fmt: skip
     args = p.parse_args()
-    if args.ours_ac and args.quality:
-        p.error("--ours-ac and --quality: the quality table pairs one run of each kind")
+    if (args.ours_ac or args.ours_variant) and args.quality:
+        p.error(
+            "--ours-ac/--ours-variant and --quality: the quality table pairs one run of each kind"
+        )
+    try:
+        variants = ours_variants(args.ours_ac, args.ours_variant)
+    except ValueError as e:
+        p.error(str(e))
     shape = SHAPES[args.shape]
     print(machine_line(), flush=True)
     work = args.work
@@ -361,16 +389,14 @@ def main() -> int:
     wanted = {w.strip() for w in args.runs.split(",")}
     for seq in (int(s) for s in args.seq.split(",")):
         r = results[seq] = {}
-        policies = [a.strip() for a in args.ours_ac.split(",") if a.strip()] or [None]
-        for (name, extra), ac in itertools.product(ours_runs.items(), policies):
+        for (name, extra), (variant, flags) in itertools.product(ours_runs.items(), variants):
             if f"ours {name}" not in wanted:
                 continue
-            label = f"ours {name}" + (f" ({ac})" if ac else "")
-            ac_flags = ["--activation_checkpointing", ac] if ac else []
+            label = f"ours {name}" + (f" ({variant})" if variant else "")
             r[label] = run_ours(
                 work, shape, args.gpus, seq, args.rows, args.accum, args.steps,
-                label.removeprefix("ours ").replace(" (", "-").rstrip(")"),
-                [*extra, *ac_flags, *shlex.split(args.ours_flags)], ours_text,
+                re.sub(r"[^A-Za-z0-9.]+", "-", label.removeprefix("ours ")).strip("-"),
+                [*extra, *flags, *shlex.split(args.ours_flags)], ours_text,
             )  # fmt: skip
             print(f"[{seq}] {label}: {r[label]}", flush=True)
         for name, fp8 in titan_runs.items():
