@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 
+from pytrain.optim import compact_adamw
 from pytrain.optim.compact_adamw import CompactAdamW, adamw_update
 
 
@@ -93,6 +94,30 @@ def test_its_state_loads_into_torch_adamw_and_back():
     assert back.state[p0]["exp_avg_sq"].dtype == torch.bfloat16
     assert torch.equal(back.state[p0]["exp_avg_sq"], ours.state[p0]["exp_avg_sq"])
     assert float(back.state[p0]["step"]) == 3.0
+
+
+def test_a_float8_all_gathered_weight_is_updated_in_its_fp32_tensor():
+    """Under FSDP2 with float8 all-gathers, torchao wraps each weight's shard in a subclass
+    around its fp32 tensor: the update lands there, as on a plain parameter."""
+    fsdp_utils = pytest.importorskip("torchao.float8.fsdp_utils")
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+
+    torch.manual_seed(0)
+    w, g = torch.randn(8, 4), torch.randn(8, 4)
+    wrapped = fsdp_utils.WeightWithDynamicFloat8CastTensor(
+        w.clone(), LinearMMConfig(), torch.float8_e4m3fn
+    )
+    params = [torch.nn.Parameter(wrapped), torch.nn.Parameter(w.clone())]
+    for p in params:
+        opt = CompactAdamW([p], lr=0.1)
+        p.grad = g.clone()
+        opt.step()
+        assert float(opt.state[p]["step"]) == 1.0
+    assert not torch.equal(wrapped._tensor, w)
+    assert torch.equal(wrapped._tensor, params[1].data)
+    # What the (compiled, on CUDA) update is given: the plain fp32 tensor itself.
+    local = compact_adamw._local(params[0])
+    assert type(local) is torch.Tensor and local.data_ptr() == wrapped._tensor.data_ptr()
 
 
 @pytest.mark.slow  # Inductor compiles a C++ kernel

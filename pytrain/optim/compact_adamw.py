@@ -23,6 +23,7 @@ the other (the moments are cast on loading)."""
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from pytrain.optim.master_adamw import STATE_DTYPES
 
@@ -73,8 +74,13 @@ def _update_fn(device: torch.device):
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """A tensor's local part (its shard under FSDP2), flat."""
+    """A tensor's local part (its shard under FSDP2), flat, as a plain tensor: torchao's
+    float8 all-gather wraps each weight's shard in a subclass around the fp32 tensor
+    (`_tensor`), which is the one to update (the compiled update takes plain tensors)."""
     local = t.to_local() if hasattr(t, "to_local") else t
+    inner = getattr(local, "_tensor", None)
+    if is_traceable_wrapper_subclass(local) and isinstance(inner, torch.Tensor):
+        local = inner
     return local.view(-1)
 
 
