@@ -112,8 +112,9 @@ class CompactAdamW(torch.optim.Optimizer):
                     "exp_avg": torch.zeros_like(p, dtype=state_dtype),
                     "exp_avg_sq": torch.zeros_like(p, dtype=state_dtype),
                 }
-        if self.param_groups and self.param_groups[0]["params"]:
-            self._compile_now(_local(self.param_groups[0]["params"][0]).device)
+        first = next((p for g in self.param_groups for p in g["params"]), None)
+        self.device = torch.device("cpu") if first is None else _local(first).device
+        self._compile_now(self.device)
 
     def _compile_now(self, device: torch.device) -> None:
         """Compiles the update here, on scratch tensors, rather than at the first step: the
@@ -142,21 +143,20 @@ class CompactAdamW(torch.optim.Optimizer):
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("CompactAdamW takes no closure")
+        device = self.device
+        update = _update_fn(device)
+        scale = torch.ones((), device=device) if self.grad_scale is None else self.grad_scale
+        skip = torch.zeros((), device=device) if self.found_inf is None else self.found_inf
+        scale, skip = scale.float(), skip.float()
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            device = _local(params[0]).device
-            update = _update_fn(device)
             beta1, beta2 = group["betas"]
             hyper = torch.tensor(
                 [group["lr"], group["weight_decay"], beta1, beta2, group["eps"]],
                 dtype=torch.float32,
             ).to(device, non_blocking=True)
-            one, zero = torch.ones((), device=device), torch.zeros((), device=device)
-            scale = one if self.grad_scale is None else self.grad_scale.float()
-            skip = zero if self.found_inf is None else self.found_inf.float()
-            scale, skip = _local(scale).view(()), _local(skip).view(())
             for p in params:
                 st = self.state[p]
                 update(_local(p), _local(p.grad), _local(st["exp_avg"]),

@@ -60,10 +60,10 @@ EXPANDABLE = "expandable_segments:True"
 def apply_allocator_env() -> str:
     """Lets the CUDA allocator grow its segments in place (expandable segments, as
     torchtitan's launcher sets them) unless the user configured the allocator, and returns
-    the setting in force ('' for torch's defaults). Without them, memory freed between
+    the setting in force (the user's where given). Without them, memory freed between
     blocks of different sizes stays reserved in segments that fit neither: the 8B preset
-    on four GPUs reserved 9 GiB beyond what it allocated. torch reads the variable when
-    CUDA is first used, so this goes before that."""
+    on four GPUs reserved 67.2 GiB without them, 62.4 with, at the same speed. torch reads
+    the variable when CUDA is first used, so this goes before that."""
     for k in ALLOCATOR_VARS:
         if k in os.environ:
             return os.environ[k]
