@@ -122,7 +122,13 @@ def test_a_float8_all_gathered_weight_is_updated_in_its_fp32_tensor():
 
 @pytest.mark.slow  # Inductor compiles a C++ kernel
 def test_the_compiled_update_equals_the_eager_one_at_any_size():
+    """Compiled once on the scratch arguments CompactAdamW compiles with when it is made,
+    the update takes every later size without a graph more, and equals the eager one."""
+    from pytrain.train.compile_policy import compiled_graphs
+
     compiled = torch.compile(adamw_update, dynamic=True, fullgraph=True)
+    compiled(*compact_adamw.scratch_args(torch.device("cpu"), torch.bfloat16))
+    graphs = compiled_graphs()
     hyper = torch.tensor([1e-2, 0.1, 0.9, 0.95, 1e-8])
     for n, skip in ((1000, 0.0), (37, 0.0), (4096, 1.0)):
         torch.manual_seed(n)
@@ -136,3 +142,4 @@ def test_the_compiled_update_equals_the_eager_one_at_any_size():
         for a, b in zip(args, mine, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
         assert float(step) == (3.0 if skip else 4.0)
+    assert compiled_graphs() == graphs

@@ -73,6 +73,18 @@ def _update_fn(device: torch.device):
     return _compiled
 
 
+def scratch_args(device: torch.device, state_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """Arguments for adamw_update that compile the graph every step then reuses: 16
+    elements (Dynamo would specialise a size of 1), each argument a tensor of its own, as
+    at a step (Dynamo guards on which arguments alias)."""
+    p, g = torch.zeros(16, device=device), torch.zeros(16, device=device)
+    m, v = (torch.zeros(16, dtype=state_dtype, device=device) for _ in range(2))
+    step, scale, skip = (torch.zeros((), device=device), torch.ones((), device=device),
+                         torch.zeros((), device=device))  # fmt: skip
+    hyper = torch.tensor([0.0, 0.0, 0.9, 0.95, 1e-8], device=device)
+    return p, g, m, v, step, hyper, scale, skip
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A tensor's local part (its shard under FSDP2), flat, as a plain tensor: torchao's
     float8 all-gather wraps each weight's shard in a subclass around the fp32 tensor
@@ -119,14 +131,9 @@ class CompactAdamW(torch.optim.Optimizer):
     def _compile_now(self, device: torch.device) -> None:
         """Compiles the update here, on scratch tensors, rather than at the first step: the
         trainer counts the graphs its warm-up made, and one made later reads as a
-        recompile. 16 elements: Dynamo would specialise a size of 1."""
-        if device.type != "cuda":
-            return
-        p, g = torch.zeros(16, device=device), torch.zeros(16, device=device)
-        m, v = (torch.zeros(16, dtype=self.state_dtype, device=device) for _ in range(2))
-        one = torch.ones((), device=device)
-        hyper = torch.tensor([0.0, 0.0, 0.9, 0.95, 1e-8], device=device)
-        _update_fn(device)(p, g, m, v, torch.zeros((), device=device), hyper, one, one)
+        recompile."""
+        if device.type == "cuda":
+            _update_fn(device)(*scratch_args(device, self.state_dtype))
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's loading casts the moments to the parameters' dtype (fp32): back to
