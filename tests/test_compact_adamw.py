@@ -28,8 +28,15 @@ def groups(model):
     return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
 
 
+def set_lr(opt, i: int) -> None:
+    """A schedule's learning rate for step i, as the trainer sets it each step."""
+    for g in opt.param_groups:
+        g["lr"] = 1e-2 * (1 + i) / 5
+
+
 def run(opt, model, grads, scales=None, skips=None):
     for i, gs in enumerate(grads):
+        set_lr(opt, i)
         for p, g in zip(model.parameters(), gs, strict=True):
             p.grad = g.clone()
         if scales is not None:
@@ -49,6 +56,7 @@ def test_fp32_moments_follow_torch_adamw_through_clipping_and_a_skip():
     for i, gs in enumerate(grads):
         if skips[i]:
             continue
+        set_lr(theirs, i)
         for p, g in zip(theirs_model.parameters(), gs, strict=True):
             p.grad = g / scales[i]
         theirs.step()

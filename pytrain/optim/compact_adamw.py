@@ -124,6 +124,8 @@ class CompactAdamW(torch.optim.Optimizer):
                     "exp_avg": torch.zeros_like(p, dtype=state_dtype),
                     "exp_avg_sq": torch.zeros_like(p, dtype=state_dtype),
                 }
+        # Per group: its hyperparameters as last sent to the device, and that tensor.
+        self._hyper: dict[int, tuple[tuple[float, ...], torch.Tensor]] = {}
         first = next((p for g in self.param_groups for p in g["params"]), None)
         self.device = torch.device("cpu") if first is None else _local(first).device
         self._compile_now(self.device)
@@ -134,6 +136,21 @@ class CompactAdamW(torch.optim.Optimizer):
         recompile."""
         if device.type == "cuda":
             _update_fn(device)(*scratch_args(device, self.state_dtype))
+
+    def _hyper_of(self, i: int, group: dict) -> torch.Tensor:
+        """Group i's lr, weight decay, betas and eps on the device. A copy from the host
+        could wait for the device (pageable memory), so it is made once; a new learning
+        rate (every step, under the schedule) is written by a fill, a kernel that takes it
+        as its argument."""
+        values = (group["lr"], group["weight_decay"], *group["betas"], group["eps"])
+        sent = self._hyper.get(i)
+        if sent is None or sent[0][1:] != values[1:]:
+            sent = (values, torch.tensor(values, dtype=torch.float32).to(self.device))
+        elif sent[0][0] != values[0]:
+            sent[1][0].fill_(values[0])
+            sent = (values, sent[1])
+        self._hyper[i] = sent
+        return sent[1]
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's loading casts the moments to the parameters' dtype (fp32): back to
@@ -155,15 +172,11 @@ class CompactAdamW(torch.optim.Optimizer):
         scale = torch.ones((), device=device) if self.grad_scale is None else self.grad_scale
         skip = torch.zeros((), device=device) if self.found_inf is None else self.found_inf
         scale, skip = scale.float(), skip.float()
-        for group in self.param_groups:
+        for i, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            beta1, beta2 = group["betas"]
-            hyper = torch.tensor(
-                [group["lr"], group["weight_decay"], beta1, beta2, group["eps"]],
-                dtype=torch.float32,
-            ).to(device, non_blocking=True)
+            hyper = self._hyper_of(i, group)
             for p in params:
                 st = self.state[p]
                 update(_local(p), _local(p.grad), _local(st["exp_avg"]),
