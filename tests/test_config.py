@@ -126,6 +126,8 @@ def test_the_allocator_grows_segments_unless_the_user_configured_it(monkeypatch)
     for k in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
         monkeypatch.delenv(k, raising=False)
     assert not expandable_in_force()
+    # A run that asks for CUDA graphs keeps torch's default allocator.
+    assert apply_allocator_env(cudagraphs=True) == "" and not expandable_in_force()
     assert apply_allocator_env() == "expandable_segments:True"
     assert expandable_in_force()
     # A setting of the user's, under either name, is kept as it is.

@@ -63,7 +63,7 @@ def apply_env_guards(cfg) -> None:
     The allocator's expandable segments are set either way (env_guards.apply_allocator_env)."""
     from pytrain.train.env_guards import apply_allocator_env, apply_safe_env, run_inductor_cache
 
-    apply_allocator_env()
+    apply_allocator_env(cudagraphs=cfg.compile.mode == "reduce-overhead")
     if not cfg.compile.safe_env:
         return
 

@@ -57,16 +57,21 @@ reads."""
 EXPANDABLE = "expandable_segments:True"
 
 
-def apply_allocator_env() -> str:
+def apply_allocator_env(cudagraphs: bool = False) -> str:
     """Lets the CUDA allocator grow its segments in place (expandable segments, as
     torchtitan's launcher sets them) unless the user configured the allocator, and returns
-    the setting in force (the user's where given). Without them, memory freed between
-    blocks of different sizes stays reserved in segments that fit neither: the 8B preset
-    on four GPUs reserved 67.2 GiB without them, 62.4 with, at the same speed. torch reads
-    the variable when CUDA is first used, so this goes before that."""
+    the setting in force (the user's where given; '' for torch's default). Without them,
+    memory freed between blocks of different sizes stays reserved in segments that fit
+    neither: the 8B preset on four GPUs reserved 67.2 GiB without them, 62.4 with, at the
+    same speed. Not where the run asks for CUDA graphs (`cudagraphs`: compile mode
+    reduce-overhead): their memory pools and expandable segments have failed together in
+    torch (pytorch/pytorch#140419), and the models small enough for CUDA graphs gain
+    little. torch reads the variable when CUDA is first used, so this goes before that."""
     for k in ALLOCATOR_VARS:
         if k in os.environ:
             return os.environ[k]
+    if cudagraphs:
+        return ""
     os.environ[ALLOCATOR_VARS[0]] = EXPANDABLE
     return EXPANDABLE
 
