@@ -25,9 +25,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from pytrain.optim.master_adamw import STATE_DTYPES
-
-__all__ = ["STATE_DTYPES", "CompactAdamW", "adamw_update"]
+__all__ = ["CompactAdamW", "adamw_update", "scratch_args"]
 
 
 def adamw_update(
@@ -128,14 +126,11 @@ class CompactAdamW(torch.optim.Optimizer):
         self._hyper: dict[int, tuple[tuple[float, ...], torch.Tensor]] = {}
         first = next((p for g in self.param_groups for p in g["params"]), None)
         self.device = torch.device("cpu") if first is None else _local(first).device
-        self._compile_now(self.device)
-
-    def _compile_now(self, device: torch.device) -> None:
-        """Compiles the update here, on scratch tensors, rather than at the first step: the
-        trainer counts the graphs its warm-up made, and one made later reads as a
-        recompile."""
-        if device.type == "cuda":
-            _update_fn(device)(*scratch_args(device, self.state_dtype))
+        # The update is compiled here, on scratch tensors, rather than at the first step:
+        # the trainer counts the graphs its warm-up made, and one made later reads as a
+        # recompile.
+        if self.device.type == "cuda":
+            _update_fn(self.device)(*scratch_args(self.device, state_dtype))
 
     def _hyper_of(self, i: int, group: dict) -> torch.Tensor:
         """Group i's lr, weight decay, betas and eps on the device. A copy from the host
@@ -154,14 +149,13 @@ class CompactAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's loading casts the moments to the parameters' dtype (fp32): back to
-        this optimizer's, and the step counts onto the parameters' device."""
+        this optimizer's. (The step counts it puts on the parameters' device, as for any
+        optimizer marked fused.)"""
         super().load_state_dict(state_dict)
-        for p, st in self.state.items():
+        for st in self.state.values():
             for k in ("exp_avg", "exp_avg_sq"):
                 if k in st and st[k].dtype != self.state_dtype:
                     st[k] = st[k].to(self.state_dtype)
-            if "step" in st:
-                st["step"] = torch.as_tensor(st["step"], dtype=torch.float32).to(_local(p).device)
 
     @torch.no_grad()
     def step(self, closure=None):
