@@ -2,7 +2,8 @@
 run from the repository root (`python benchmarks/NAME.py --help` says what it measures and
 how). This module is what they share: the line naming the machine a run measured (every
 benchmark prints it first), the median of a run's steady steps, Markdown tables, train.log's
-step lines, a run's peak GPU memory, real text to tokenize, and a timed read of a loader.
+step lines, a run's peak GPU memory, real text to tokenize, a timed read of a loader, and
+the end of a launched job with all its processes.
 It imports no torch until a function needs it (read_steps); machine_line asks a child
 process."""
 
@@ -152,3 +153,42 @@ def read_for(loader, seconds: float) -> tuple[int, float, float]:
         tokens += b.tokens.shape[0] * (b.tokens.shape[1] - 1)
         b.release()
     return tokens, time.perf_counter() - t0, time.process_time() - c0
+
+
+def _tree(pid: int) -> list[int]:
+    """`pid` and its descendants, parents first, from /proc (Linux)."""
+    try:
+        kids = [int(x) for t in Path(f"/proc/{pid}/task").iterdir()
+                for x in (t / "children").read_text().split()]  # fmt: skip
+    except OSError:  # already gone
+        return []
+    return [pid] + [d for kid in kids for d in _tree(kid)]
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` still runs: a killed process not yet reaped is a zombie ("Z") and holds
+    no memory any more, GPU memory included."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def kill_tree(pid: int, wait_s: float = 120.0) -> None:
+    """SIGKILL to `pid` and all its descendants, then waits (up to `wait_s`) until none runs.
+    torchrun starts each rank in a session of its own, which a signal to the agent's process
+    group does not reach: a rank left so trains on, holding its GPU's memory, and writes its
+    end's checkpoint while the next job starts. The whole tree is listed first and the parents
+    killed first, so an agent cannot start a rank again, nor a rank lose its parent (and so
+    its place in the tree) before it is listed."""
+    import signal
+
+    tree = _tree(pid)
+    for p in tree:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + wait_s
+    while any(map(_running, tree)) and time.monotonic() < deadline:
+        time.sleep(0.1)

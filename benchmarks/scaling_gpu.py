@@ -136,6 +136,13 @@ def run_together(procs: list[Launch], stem: Path) -> tuple[int, str, str]:
     return code, outs[0], outs[1]
 
 
+def failure_line(stderr: str) -> str:
+    """What a failed job's row says: the trainer's own line (out of memory, a bad flag) where
+    a rank printed one, not the banner torchrun prints after it; else the last line."""
+    lines = stderr.strip().splitlines() or ["?"]
+    return next((x for x in lines if x.startswith("pytrain.train: ")), lines[-1])[:200]
+
+
 def run(n: int, args, data: Path, fsdp: bool, profile: bool, agents: int = 1) -> dict:
     name, procs = launches(n, args, data, fsdp, profile, agents)
     out = args.work / "runs"
@@ -152,8 +159,7 @@ def run(n: int, args, data: Path, fsdp: bool, profile: bool, agents: int = 1) ->
     row = {"gpus": n, "agents": agents, "label": gpus, "wrapper": label, "fsdp": fsdp}
     if code != 0:
         print(stdout[-2000:], stderr[-4000:], file=sys.stderr)
-        tail = (stderr.strip().splitlines() or ["?"])[-1][:200]
-        return {**row, "error": tail, "wall_s": wall}
+        return {**row, "error": failure_line(stderr), "wall_s": wall}
     steps = read_steps(out / name / "train.log")
     # The profiled steps, and the one after them (its period includes the trace's writing).
     skip = set(range(args.steps - 4, args.steps + 1)) if profile else set()
@@ -269,9 +275,9 @@ def main() -> int:
             rows.append([r["label"], r["wrapper"], "", f"failed: {r['error']}", "", "", "", "", "", ""])  # fmt: skip
             continue
         per_gpu = r["tokens_per_s"] / r["gpus"]
-        eff = per_gpu / base if base else float("nan")
+        eff = f"{per_gpu / base:.1%}" if base else "- (the first row failed)"
         rows.append([r["label"], r["wrapper"], r["accum"] or "-", f"{r['tokens_per_s']:,.0f}", f"{per_gpu:,.0f}",
-                     f"{eff:.1%}", r["final_loss"], r["peak_gb"] or "-", r["reserved_gib"] or "-",
+                     eff, r["final_loss"], r["peak_gb"] or "-", r["reserved_gib"] or "-",
                      f"{per_token * per_gpu:.4f}"])  # fmt: skip
     headers = ["GPUs", "wrapper", "accumulation per rank", "tokens/s (all GPUs)", "per GPU",
                "scaling efficiency", "loss at the last step", "peak GB (rank 0)",

@@ -53,7 +53,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -62,7 +61,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.harness import machine_line, markdown_table, median_steady, read_steps  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    kill_tree,
+    machine_line,
+    markdown_table,
+    median_steady,
+    read_steps,
+)
 
 PEAK_TFLOPS = 989.0  # H100 SXM dense bf16
 RUNS = ("ours bf16", "ours preset", "ours fp8",
@@ -231,22 +236,6 @@ def run_until_step(cmd: list[str], log: Path, steps: int, evaluated: bool) -> tu
             time.sleep(2)
         out.seek(0)
         return p.returncode, out.read()
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL to `pid` and all its descendants, from /proc: torchrun starts its workers in
-    process groups of their own, which a signal to its group would not reach."""
-    try:
-        kids = [int(x) for t in Path(f"/proc/{pid}/task").iterdir()
-                for x in (t / "children").read_text().split()]  # fmt: skip
-    except OSError:  # already gone
-        kids = []
-    for kid in kids:
-        kill_tree(kid)
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def default_tokenizer() -> Path:

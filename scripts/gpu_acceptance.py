@@ -63,6 +63,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.harness import kill_tree  # noqa: E402
 from pytrain.model.hf import LOGITS_TOLERANCE  # noqa: E402
 from pytrain.train.cli import read_fallbacks, read_peak_memory, read_start_line  # noqa: E402
 from pytrain.train.metrics import read_step_lines  # noqa: E402
@@ -97,8 +98,9 @@ def run(cmd: list[str], log: Path, env: dict | None = None, done=None) -> tuple[
     leaves what it had done there); returns (exit code, output). One line per command on
     stdout, with its wall time, says how far a row got and where its time went. `done`: a
     check made every half second; once it holds, what the row needed of the command has
-    happened, and the command and its children are killed (exit code 0 returned), e.g. a run
-    whose first steps are all a row reads, so its end's checkpoint is not waited for."""
+    happened, and the command and every process under it are killed and waited for (exit
+    code 0 returned), e.g. a run whose first steps are all a row reads, so its end's
+    checkpoint is not waited for, nor its GPUs still held when the next command starts."""
     t0 = time.perf_counter()
     with open(log, "w") as f:
         f.write(f"$ {' '.join(cmd)}\n")
@@ -108,7 +110,8 @@ def run(cmd: list[str], log: Path, env: dict | None = None, done=None) -> tuple[
         stopped = False
         while p.poll() is None:
             if done is not None and done():
-                os.killpg(p.pid, signal.SIGKILL)  # torchrun's agent and its ranks
+                kill_tree(p.pid)  # torchrun's agent and its ranks, each in a session of its own
+                p.wait()
                 stopped = True
             time.sleep(0.5)
     rc = 0 if stopped else p.returncode

@@ -1,16 +1,20 @@
-"""Shared fixtures: real text from Python's standard library, and synthetic datasets
-whose token ids say which document and position they came from."""
+"""Shared fixtures: real text from Python's standard library, synthetic datasets whose
+token ids say which document and position they came from, and the repository's scripts
+(benchmarks/, scripts/) loaded as modules."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
 import socket
 import subprocess
+import sys
 import sysconfig
 import tempfile
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import pytest
@@ -152,6 +156,23 @@ def small_corpus(tmp_path_factory) -> tuple[Path, Path]:
         d / "val", learnable_docs(100, seed=2), frame_bytes=8192, dtype="uint16", vocab=256
     )
     return train, val
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_script(path: str, name: str) -> ModuleType:
+    """The script at `path` (from the repository root) as module `name`: scripts are
+    programs, not a package. Registered in sys.modules, where a dataclass of the script looks
+    its module up; the root goes on sys.path, as the scripts import benchmarks.harness."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    spec = importlib.util.spec_from_file_location(name, ROOT / path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def losses_by_step(log: str) -> dict[int, float]:

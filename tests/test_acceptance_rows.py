@@ -5,13 +5,13 @@ bit-for-bit comparison run end to end on CPU ranks."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_script
 from torch.distributed import run as torchrun
 
 from pytrain import _loader
@@ -24,10 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture
 def acc(monkeypatch):
-    spec = importlib.util.spec_from_file_location("acceptance", ROOT / "scripts/gpu_acceptance.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "acceptance", module)  # its dataclass looks it up there
-    spec.loader.exec_module(module)
+    monkeypatch.setitem(sys.modules, "acceptance", None)  # as it was again after the test
+    module = load_script("scripts/gpu_acceptance.py", "acceptance")
     monkeypatch.chdir(ROOT)  # the rows name their presets as configs/<name>.toml
     return module
 
@@ -59,31 +57,35 @@ def test_the_multi_gpu_rows_are_rows_but_not_default_ones(acc, monkeypatch, tmp_
     assert acc.gpus_missing(row, 4) and row.note == "not run: needs 4 GPUs, this host has 1"
 
 
-def test_a_command_is_ended_with_its_children_once_what_the_row_needs_is_done(acc, tmp_path):
-    """run(done=...): the command and the process it started are killed once the check
-    holds (exit 0, said in the log); without a check the command's own exit code comes back."""
+def test_a_command_is_ended_with_everything_under_it_once_what_the_row_needs_is_done(acc, tmp_path):
+    """run(done=...): once the check holds, the command and every process under it are
+    killed (exit 0, said in the log), also one in a session of its own, as torchrun starts
+    its ranks, and its child; run returns only when none of them runs any more. Without a
+    check the command's own exit code comes back."""
     import time
 
-    pid_file, log = tmp_path / "child.pid", tmp_path / "cmd.log"
-    script = f"sleep 120 & echo $! > {pid_file}; echo ready $((40 + 2)); wait"
+    child_pid, grand_pid, log = tmp_path / "child.pid", tmp_path / "grand.pid", tmp_path / "cmd.log"
+    script = (
+        f"setsid bash -c 'sleep 120 & echo $! > {grand_pid}; wait' & echo $! > {child_pid}; "
+        "echo ready $((40 + 2)); wait"
+    )
     t0 = time.perf_counter()
-    rc, out = acc.run(["bash", "-c", script], log, done=lambda: "ready 42" in log.read_text())
+    rc, out = acc.run(["bash", "-c", script], log,
+                      done=lambda: "ready 42" in log.read_text() and grand_pid.exists())  # fmt: skip
     assert rc == 0 and "ready 42" in out and time.perf_counter() - t0 < 30
     assert "stopped once done" in log.read_text()
-    child = int(pid_file.read_text())
-
-    def alive(pid: int) -> bool:  # a killed process not yet reaped is a zombie ("Z"): dead
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-        except FileNotFoundError:
-            return False
-
-    deadline = time.perf_counter() + 10
-    while alive(child) and time.perf_counter() < deadline:
-        time.sleep(0.1)
-    assert not alive(child)  # the background child went with it
+    child, grand = int(child_pid.read_text()), int(grand_pid.read_text())
+    assert not alive(child) and not alive(grand)  # gone before run returned
     assert acc.run(["bash", "-c", "exit 3"], tmp_path / "b.log")[0] == 3
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs: a killed process not yet reaped is a zombie ("Z"), dead."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_the_8b_row_trains_the_preset_on_4_ranks_then_exports_it(acc, monkeypatch, tmp_path):

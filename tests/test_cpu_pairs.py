@@ -1,15 +1,11 @@
 """benchmarks/cpu_pairs.py: hyperthread pairs from timings, and the --cpus order it prints."""
 
-import importlib.util
 import os
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-spec = importlib.util.spec_from_file_location("cpu_pairs", ROOT / "benchmarks/cpu_pairs.py")
-assert spec is not None and spec.loader is not None
-cpu_pairs = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(cpu_pairs)
+from conftest import ROOT, load_script
+
+cpu_pairs = load_script("benchmarks/cpu_pairs.py", "cpu_pairs")
 
 
 def _host(sibling_of: dict[int, int], tried: list):

@@ -1,16 +1,10 @@
 """benchmarks/time_to_quality.py's report arithmetic: when a run first reaches nanoGPT's final
 loss (between snapshots), and the preset against its variants at equal steps."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from conftest import load_script
 
-spec = importlib.util.spec_from_file_location(
-    "time_to_quality", Path(__file__).resolve().parent.parent / "benchmarks" / "time_to_quality.py"
-)
-ttq = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(ttq)
+ttq = load_script("benchmarks/time_to_quality.py", "time_to_quality")
 
 
 def run(name, points):

@@ -1,17 +1,9 @@
 """benchmarks/titan.py: the ways ours runs (--ours-ac, --ours-variant), each a row of its own."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from conftest import load_script
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # titan.py imports benchmarks.harness
-spec = importlib.util.spec_from_file_location("titan_bench", ROOT / "benchmarks/titan.py")
-assert spec is not None and spec.loader is not None
-titan = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(titan)
+titan = load_script("benchmarks/titan.py", "titan_bench")
 
 
 def test_ours_runs_once_per_policy_and_named_variant():

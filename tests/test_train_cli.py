@@ -3,7 +3,6 @@ standard library), TensorBoard events, checkpoints, and a resume that continues.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -11,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import losses_by_step
+from conftest import load_script, losses_by_step
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,10 +43,7 @@ def test_embedded_default_trains_logs_checkpoints_and_resumes(tmp_path):
     assert float(m.group(1)) < float(m.group(2))
     assert "--- sample 1 ---" in out and "tensorboard --logdir" in out
     # scripts/gpu_acceptance.py reads what the run chose from the start line.
-    spec = importlib.util.spec_from_file_location("acceptance", ROOT / "scripts/gpu_acceptance.py")
-    acceptance = importlib.util.module_from_spec(spec)
-    sys.modules["acceptance"] = acceptance  # its dataclass looks its module up there
-    spec.loader.exec_module(acceptance)
+    acceptance = load_script("scripts/gpu_acceptance.py", "acceptance")
     row = acceptance.Row("default", "")
     acceptance.read_setup(out, row)
     assert row.setup == "sdpa_mask, swiglu, 8x128x1", row.setup
