@@ -176,7 +176,7 @@ def _running(pid: int) -> bool:
 
 def kill_tree(pid: int, wait_s: float = 120.0) -> None:
     """SIGKILL to `pid` and all its descendants, then waits (up to `wait_s`) until none runs.
-    torchrun starts each rank in a session of its own, which a signal to the agent's process
+    torchrun starts each rank in a process group of its own, which a signal to the agent's
     group does not reach: a rank left so trains on, holding its GPU's memory, and writes its
     end's checkpoint while the next job starts. The whole tree is listed first and the parents
     killed first, so an agent cannot start a rank again, nor a rank lose its parent (and so

@@ -59,9 +59,9 @@ def test_the_multi_gpu_rows_are_rows_but_not_default_ones(acc, monkeypatch, tmp_
 
 def test_a_command_is_ended_with_everything_under_it_once_what_the_row_needs_is_done(acc, tmp_path):
     """run(done=...): once the check holds, the command and every process under it are
-    killed (exit 0, said in the log), also one in a session of its own, as torchrun starts
-    its ranks, and its child; run returns only when none of them runs any more. Without a
-    check the command's own exit code comes back."""
+    killed (exit 0, said in the log), also one in a process group of its own (setsid, as
+    torchrun starts its ranks) and its child; run returns only when none of them runs any
+    more. Without a check the command's own exit code comes back."""
     import time
 
     child_pid, grand_pid, log = tmp_path / "child.pid", tmp_path / "grand.pid", tmp_path / "cmd.log"
