@@ -110,7 +110,8 @@ def run(cmd: list[str], log: Path, env: dict | None = None, done=None) -> tuple[
         stopped = False
         while p.poll() is None:
             if done is not None and done():
-                kill_tree(p.pid)  # torchrun's agent and its ranks, each in a process group of its own
+                # torchrun's agent and its ranks, each in a process group of its own
+                kill_tree(p.pid)
                 p.wait()
                 stopped = True
             time.sleep(0.5)
