@@ -712,8 +712,10 @@ def test_a_background_save_holds_the_state_at_its_step_while_the_next_update_run
 def test_profile_memory_writes_the_allocators_history_over_the_profiled_steps(tmp_path):
     """`--profile_steps 3:5 --profile_memory`: profile/memory.pickle holds the caching
     allocator's segments and its trace of the window's allocations (what memory_viz reads),
-    each with a Python stack; the trainer's line names it."""
+    each with a Python stack, and memory.md what held the window's peak; the trainer's line
+    names them."""
     import pickle
+    import re
     import subprocess
 
     _loader.write_synthetic(str(tmp_path / "train"), 1500, mu=5.0, sigma=1.0, vocab=4096, seed=3)
@@ -730,3 +732,11 @@ def test_profile_memory_writes_the_allocators_history_over_the_profiled_steps(tm
     events = [e for trace in snapshot["device_traces"] for e in trace]
     allocs = [e for e in events if e["action"] == "alloc"]
     assert allocs and all(e["frames"] for e in allocs[:10])
+    # memory.md: the window's peak, within the run's own peak (allocated, GB), and what held it
+    from pytrain.train.cli import read_peak_memory
+
+    table = (path.parent / "memory.md").read_text()
+    window_gib = float(re.search(r"Peak allocated: ([\d.]+) GiB", table).group(1))
+    run_gb = read_peak_memory(r.stdout)[0]
+    assert 0.5 * run_gb <= window_gib * 2**30 / 1e9 <= run_gb * 1.01, (window_gib, run_gb)
+    assert "allocated before the profiled window" in table and "trainer.py" in table, table

@@ -305,7 +305,19 @@ class StepProfiler:
         self.prof = None
         line = f"profile of steps {self.start}:{self.stop}: {self.out}/summary.md"
         if self.memory:
-            torch.cuda.memory._dump_snapshot(str(self.out / "memory.pickle"))
+            import pickle
+
+            from pytrain.train.memory_peak import format_composition, peak_composition
+
+            # What _dump_snapshot writes, kept in hand for the peak's composition.
+            snapshot = torch.cuda.memory._snapshot()
             torch.cuda.memory._record_memory_history(enabled=None)
-            line += f", {self.out}/memory.pickle (pytorch.org/memory_viz)"
+            with open(self.out / "memory.pickle", "wb") as f:
+                pickle.dump(snapshot, f)
+            peak = peak_composition(snapshot, self.device.index or 0)
+            (self.out / "memory.md").write_text(format_composition(peak) + "\n")
+            line += (
+                f", {self.out}/memory.pickle (pytorch.org/memory_viz), and what held the "
+                f"peak's {peak['peak_bytes'] / 2**30:.1f} GiB: {self.out}/memory.md"
+            )
         return line

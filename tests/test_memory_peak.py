@@ -1,0 +1,72 @@
+"""pytrain.train.memory_peak: what held a GPU's memory at its peak, from an allocator history
+built by hand in the format torch.cuda.memory._snapshot returns."""
+
+from pytrain.train.memory_peak import format_composition, peak_composition, where
+
+MiB = 2**20
+TORCH = "/site-packages/torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py"
+TRAINER = "/repo/pytrain/train/trainer.py"
+GPT = "/repo/pytrain/model/gpt.py"
+
+
+def frame(filename, line, name):
+    return {"filename": filename, "line": line, "name": name}
+
+
+def alloc(addr, size, *frames):
+    return {"action": "alloc", "addr": addr, "size": size, "frames": list(frames)}
+
+
+def free(addr, size):  # released, then handed back to the allocator
+    return [{"action": a, "addr": addr, "size": size, "frames": []}
+            for a in ("free_requested", "free_completed")]  # fmt: skip
+
+
+def snapshot(trace, blocks):
+    segment = {"device": 0, "blocks": [{"size": s, "state": st} for s, st in blocks]}
+    return {"segments": [segment], "device_traces": [trace]}
+
+
+def test_the_peak_is_told_apart_by_where_its_memory_was_allocated():
+    gather = frame(TORCH, 140, "foreach_all_gather")
+    backward, block = frame(TRAINER, 229, "_forward_backward"), frame(GPT, 237, "forward")
+    trace = [
+        alloc(1, 300 * MiB, block, frame(TRAINER, 215, "_micro_loss")),  # an activation
+        alloc(2, 100 * MiB, gather, backward),  # gathered weights
+        *free(90, 50 * MiB),  # allocated before the history began
+        alloc(3, 100 * MiB, gather, backward),
+        alloc(4, 20 * MiB),  # no stack recorded
+        # the peak: 300 + 200 + 20 in the window, 1000 - 50 from before it
+        *free(2, 100 * MiB),
+        *free(3, 100 * MiB),
+        alloc(5, 60 * MiB, gather, backward),
+        *free(1, 300 * MiB),
+    ]
+    # At the end: 950 MiB from before the window, 20 + 60 from it; some blocks free.
+    snap = snapshot(trace, [(950 * MiB, "active_allocated"), (20 * MiB, "active_allocated"),
+                            (60 * MiB, "active_allocated"), (500 * MiB, "inactive")])  # fmt: skip
+    c = peak_composition(snap, top=2)
+    assert c["peak_bytes"] == (950 + 300 + 200 + 20) * MiB
+    assert c["before_window_bytes"] == 950 * MiB
+    assert c["peak_event"] == 5 and c["events"] == len(trace)
+    assert c["groups"] == [
+        {"where": "gpt.py:237 forward", "bytes": 300 * MiB, "count": 1},
+        {"where": "_fsdp_collectives.py:140 foreach_all_gather < trainer.py:229 _forward_backward",
+         "bytes": 200 * MiB, "count": 2},
+    ]  # fmt: skip
+    assert (c["other_bytes"], c["other_count"]) == (20 * MiB, 1)  # the one without a stack
+    table = format_composition(c)
+    assert "Peak allocated: 1.44 GiB" in table and "| elsewhere | 0.02 | 1 |" in table
+
+
+def test_a_window_that_only_frees_peaks_at_its_start():
+    snap = snapshot(free(7, 64 * MiB), [(200 * MiB, "active_allocated")])
+    c = peak_composition(snap)
+    assert c["peak_bytes"] == c["before_window_bytes"] == 264 * MiB and c["groups"] == []
+
+
+def test_where_names_the_innermost_python_frame_and_ours_behind_it():
+    cpp = {"filename": "??", "line": 0, "name": "at::native::empty_cuda"}
+    assert where([cpp, frame(GPT, 10, "f")]) == "gpt.py:10 f"  # ours is the innermost
+    assert where([cpp]) == "at::native::empty_cuda"
+    assert where([]) == "(no stack recorded)"
