@@ -43,7 +43,13 @@ With --quality, every run trains on real text instead (the Python sources, every
 document held out; ours packed by pack-shards with the same tokenizer, so at that
 tokenizer's vocabulary) with a warm-up of a tenth of --steps, and both sides report their
 validation loss at the last step on the held-out text: a float8 run counts only within 1%
-of its own side's bf16 run, e.g. `--quality --steps 300`."""
+of its own side's bf16 run, e.g. `--quality --steps 300`.
+
+With --memory-peaks, both sides also record the CUDA allocator's history on rank 0 (ours
+over steps 3-4, `--profile_steps 3:5 --profile_memory`; torchtitan from its start, its
+memory snapshot at the last step) and a table of what held each run's peak follows the
+results (pytrain/train/memory_peak.py reads both). The recording costs host time: tokens/s
+of such a command are not the results'."""
 
 from __future__ import annotations
 
@@ -120,7 +126,7 @@ def torchrun(gpus: int) -> list[str]:
 
 def run_titan(
     work: Path, site: Path, shape: dict, gpus: int, seq: int, rows: int, accum: int, steps: int,
-    label: str, float8: list[str] | None, val: Path | None = None,
+    label: str, float8: list[str] | None, val: Path | None = None, memory: bool = False,
 ) -> dict:  # fmt: skip
     """torchtitan's trainer; `float8`: None for bf16, else float8 tensorwise on every linear
     layer but those named (its `filter_fqns`)."""
@@ -149,12 +155,16 @@ def run_titan(
                 "--validation.dataset_path", str(val), "--validation.freq", str(steps),
                 "--validation.steps", str(VAL_BATCHES), "--validation.local_batch_size", str(rows),
                 "--validation.seq_len", str(seq), "--lr_scheduler.warmup_steps", str(steps // 10)]  # fmt: skip
+    if memory:
+        cmd += titan_memory_flags(steps)
     env = {**os.environ, "PYTHONPATH": f"{site}:{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
     if not any(k in os.environ for k in ALLOC_VARS):  # unless the shell names one for both
         env.update(TITAN_ALLOC)
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
+    snap = titan_snapshot(work / "titan-out", steps)
+    memory_md = peak_table(snap) if memory and snap.exists() else None
     shutil.rmtree(work / "titan-out", ignore_errors=True)
     log = re.sub(r"\x1b\[[0-9;]*m", "", r.stdout + r.stderr)
     (work / f"titan-{seq}-{label.replace(' ', '-')}.log").write_text(log)
@@ -165,12 +175,37 @@ def run_titan(
     vals = re.findall(r"validate step:\s*\d+\s+loss:\s*([\d.]+)", log)
     return {"tokens_per_s": median_steady(logged, "tok/s", steps // 3),
             "peak_gib": max(x["memory_gib"] for x in logged), "wall_s": round(wall),
-            **({"val_loss": float(vals[-1])} if vals else {})}  # fmt: skip
+            **({"val_loss": float(vals[-1])} if vals else {}),
+            **({"memory": memory_md} if memory_md else {})}  # fmt: skip
+
+
+MEMORY_WINDOW = "3:5"  # --memory-peaks: ours records steps 3 and 4
+
+
+def titan_memory_flags(steps: int) -> list[str]:
+    """torchtitan's memory snapshot (--memory-peaks): recorded from its start, dumped at
+    every multiple of profile_freq: here the last step."""
+    return ["--profiling.enable_memory_snapshot", "--profiling.profile_freq", str(steps)]
+
+
+def titan_snapshot(dump_folder: Path, steps: int) -> Path:
+    """Where torchtitan 0.2.2 writes rank 0's snapshot at step `steps`."""
+    return dump_folder / "memory_snapshot" / f"iteration_{steps}" / "rank0_memory_snapshot.pickle"
+
+
+def peak_table(snapshot_path: Path) -> str:
+    """What held the peak in a pickled allocator snapshot of rank 0 (its GPU 0)."""
+    import pickle
+
+    from pytrain.train.memory_peak import format_composition, peak_composition
+
+    with open(snapshot_path, "rb") as f:
+        return format_composition(peak_composition(pickle.load(f), 0))
 
 
 def run_ours(
     work: Path, shape: dict, gpus: int, seq: int, rows: int, accum: int, steps: int, label: str,
-    extra: list[str], text: tuple[Path, Path] | None = None,
+    extra: list[str], text: tuple[Path, Path] | None = None, memory: bool = False,
 ) -> dict:  # fmt: skip
     """The preset on synthetic ids at Llama 3's vocabulary; with `text` (--quality), on that
     packed train and validation text, evaluated at the last step, with a short warm-up."""
@@ -185,6 +220,8 @@ def run_ours(
     elif not (data / "manifest.json").exists():
         _loader.write_synthetic(str(data), 20000, mu=7.0, sigma=1.0, vocab=shape["vocab"], seed=0)
     name = f"ours-{seq}-{label}"
+    if memory:
+        extra = [*extra, "--profile_steps", MEMORY_WINDOW, "--profile_memory"]
     # A fresh run directory: an old one would be resumed (and its ~16 GB checkpoint kept).
     shutil.rmtree(work / "runs" / name, ignore_errors=True)
     launch = [*torchrun(gpus), "-m"] if gpus > 1 else [sys.executable, "-m"]
@@ -204,6 +241,7 @@ def run_ours(
     if code or len(logged) < steps:
         return {"error": (out.strip().splitlines() or ["?"])[-1][:200]}
     vals = re.findall(r"step \d+ val_loss ([\d.]+)", log.read_text())
+    md = work / "runs" / name / "profile" / "memory.md"
     # What `auto` resolved to (a missing FA4 library turns attention into flex, silently
     # slower), and any compile fallback: the table shows both beside the figures.
     start = read_start_line(out) or {}
@@ -213,7 +251,13 @@ def run_ours(
             # torchtitan logs no allocated peak: in the result line only, not the table
             "allocated_gib": max(x.get("allocated_gib", float("nan")) for x in logged),
             "setup": "; ".join([setup or "?", *read_fallbacks(out)]), "wall_s": round(wall),
-            **({"val_loss": float(vals[-1])} if vals else {})}  # fmt: skip
+            **({"val_loss": float(vals[-1])} if vals else {}),
+            **({"memory": md.read_text()} if memory and md.exists() else {})}  # fmt: skip
+
+
+def brief(result: dict) -> dict:
+    """A run's result line: all but the table of its memory peak (printed at the end)."""
+    return {k: v for k, v in result.items() if k != "memory"}
 
 
 def run_until_step(cmd: list[str], log: Path, steps: int, evaluated: bool) -> tuple[int, str]:
@@ -336,7 +380,12 @@ def main() -> int:
                    help="every run on the text (ours: packed with the tokenizer), every 20th "
                    "document held out, the validation loss at the last step (--steps); each side's "
                    "float8 run against its bf16 run (goal: within 1%%)")  # fmt: skip
+    p.add_argument("--memory-peaks", action="store_true",
+                   help="both sides record the allocator's history; what held each run's peak "
+                   "follows the results (tokens/s then count the recording)")  # fmt: skip
     args = p.parse_args()
+    if args.memory_peaks and args.steps < int(MEMORY_WINDOW.split(":")[1]):
+        p.error(f"--memory-peaks records ours over steps {MEMORY_WINDOW}: --steps at least 5")
     if (args.ours_ac or args.ours_variant) and args.quality:
         p.error(
             "--ours-ac/--ours-variant and --quality: the quality table pairs one run of each kind"
@@ -385,17 +434,17 @@ def main() -> int:
             r[label] = run_ours(
                 work, shape, args.gpus, seq, args.rows, args.accum, args.steps,
                 re.sub(r"[^A-Za-z0-9.]+", "-", label.removeprefix("ours ")).strip("-"),
-                [*extra, *flags, *shlex.split(args.ours_flags)], ours_text,
+                [*extra, *flags, *shlex.split(args.ours_flags)], ours_text, args.memory_peaks,
             )  # fmt: skip
-            print(f"[{seq}] {label}: {r[label]}", flush=True)
+            print(f"[{seq}] {label}: {brief(r[label])}", flush=True)
         for name, fp8 in titan_runs.items():
             if f"torchtitan {name}" not in wanted:
                 continue
             r[f"torchtitan {name}"] = run_titan(
                 work, args.titan_site, shape, args.gpus, seq, args.rows, args.accum, args.steps,
-                name, fp8, titan_val,
+                name, fp8, titan_val, args.memory_peaks,
             )  # fmt: skip
-            print(f"[{seq}] torchtitan {name}: {r[f'torchtitan {name}']}", flush=True)
+            print(f"[{seq}] torchtitan {name}: {brief(r[f'torchtitan {name}'])}", flush=True)
     where = "one GPU" if args.gpus == 1 else f"{args.gpus} GPUs, FSDP2"
     print(f"\n{shape['title']} shape on {where}, {args.rows} rows x {args.accum} "
           "micro-batches a step on each GPU; tok/s per GPU\n")  # fmt: skip
@@ -453,6 +502,11 @@ def main() -> int:
             )
             rows.append([seq, label, a, b, ratio])
     print("\n" + markdown_table(["seq", "comparison", "ours", "torchtitan", "ratio"], rows))
+    for seq, r in results.items():
+        for name, x in r.items():
+            if args.memory_peaks:
+                print(f"\nWhat held the peak, {name} at {seq} (rank 0):\n")
+                print(x.get("memory", "no allocator history came back"))
     return 0
 
 

@@ -1,4 +1,5 @@
-"""benchmarks/titan.py: the ways ours runs (--ours-ac, --ours-variant), each a row of its own."""
+"""benchmarks/titan.py: the ways ours runs (--ours-ac, --ours-variant), each a row of its own, and
+--memory-peaks: what held each run's peak."""
 
 import pytest
 from conftest import load_script
@@ -20,3 +21,24 @@ def test_ours_runs_once_per_policy_and_named_variant():
     for bad in ("no flags", "=--fsdp"):
         with pytest.raises(ValueError, match="expected NAME=FLAGS"):
             titan.ours_variants("", [bad])
+
+
+def test_memory_peaks_reads_a_pickled_snapshot_and_needs_the_window(tmp_path):
+    """--memory-peaks: what held the peak of a snapshot where torchtitan writes it; a run
+    too short for ours' window is refused in one line."""
+    import pickle
+    import subprocess
+    import sys
+
+    snap = titan.titan_snapshot(tmp_path / "titan-out", 10)
+    snap.parent.mkdir(parents=True)
+    trace = [{"action": "alloc", "addr": 1, "size": 2**30,
+              "frames": [{"filename": "/x/pytrain/model/gpt.py", "line": 5, "name": "f"}]}]  # fmt: skip
+    segments = [{"device": 0, "blocks": [{"size": 3 * 2**30, "state": "active_allocated"}]}]
+    snap.write_bytes(pickle.dumps({"segments": segments, "device_traces": [trace]}))
+    table = titan.peak_table(snap)
+    assert "Peak allocated: 3.00 GiB" in table and "| `gpt.py:5 f` | 1.00 | 1 |" in table
+    r = subprocess.run([sys.executable, "benchmarks/titan.py", "--titan-site", str(tmp_path),
+                        "--memory-peaks", "--steps", "4"], capture_output=True, text=True,
+                       cwd=titan.ROOT, timeout=120)  # fmt: skip
+    assert r.returncode == 2 and "--steps at least 5" in r.stderr and "Traceback" not in r.stderr
