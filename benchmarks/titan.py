@@ -43,7 +43,8 @@ With --quality, every run trains on real text instead (the Python sources, every
 document held out; ours packed by pack-shards with the same tokenizer, so at that
 tokenizer's vocabulary) with a warm-up of a tenth of --steps, and both sides report their
 validation loss at the last step on the held-out text: a float8 run counts only within 1%
-of its own side's bf16 run, e.g. `--quality --steps 300`.
+of its own side's bf16 run, e.g. `--quality --steps 300`; with --ours-variant, each
+variant's bf16 run is held against the first's (e.g. bf16 moments against fp32 moments).
 
 With --memory-peaks, both sides also record the CUDA allocator's history on rank 0 (ours
 over steps 3-4, `--profile_steps 3:5 --profile_memory`; torchtitan from its start, its
@@ -337,6 +338,21 @@ def ours_variants(ac: str, named: list[str]) -> list[tuple[str | None, list[str]
     return out or [(None, [])]
 
 
+def quality_pairs(ours: list[tuple[str, str | None]], titan: list[str]) -> list[tuple[str, str]]:
+    """(reference, run) pairs of the --quality table, by row name: each side's other runs
+    (float8, the preset's FP8 output layer) against its bf16 run of the same variant, and
+    each other variant's bf16 run against the first variant's (e.g. bf16 moments against
+    fp32 moments). `ours`: (run, variant or None) as they ran; `titan`: its runs."""
+
+    def label(name: str, variant: str | None) -> str:
+        return f"ours {name}" + (f" ({variant})" if variant else "")
+
+    first = ours[0][1] if ours else None
+    pairs = [(label("bf16", v), label(n, v)) for n, v in ours if n != "bf16"]
+    pairs += [(label("bf16", first), label(n, v)) for n, v in ours if n == "bf16" and v != first]
+    return pairs + [("torchtitan bf16", f"torchtitan {n}") for n in titan if n != "bf16"]
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--titan-run":
         titan_worker(sys.argv[2:])
@@ -386,10 +402,6 @@ def main() -> int:
     args = p.parse_args()
     if args.memory_peaks and args.steps < int(MEMORY_WINDOW.split(":")[1]):
         p.error(f"--memory-peaks records ours over steps {MEMORY_WINDOW}: --steps at least 5")
-    if (args.ours_ac or args.ours_variant) and args.quality:
-        p.error(
-            "--ours-ac/--ours-variant and --quality: the quality table pairs one run of each kind"
-        )
     try:
         variants = ours_variants(args.ours_ac, args.ours_variant)
     except ValueError as e:
@@ -469,20 +481,18 @@ def main() -> int:
     )
     if args.quality:
         print(f"\nvalidation loss at step {args.steps} ({VAL_BATCHES} batches of held-out text)\n")
+        ours_ran = [(n, v) for n, v in itertools.product(ours_runs, [v for v, _ in variants])
+                    if f"ours {n}" in wanted]  # fmt: skip
+        pairs = quality_pairs(ours_ran, [n for n in titan_runs if f"torchtitan {n}" in wanted])
         rows = []
         for seq, r in results.items():
-            for side, fp8 in (
-                ("ours", "ours fp8"),
-                ("ours", "ours preset"),
-                ("torchtitan", "torchtitan fp8"),
-                ("torchtitan", "torchtitan fp8 output-bf16"),
-            ):
-                a, b = r.get(f"{side} bf16", {}), r.get(fp8, {})
+            for ref, run in pairs:
+                a, b = r.get(ref, {}), r.get(run, {})
                 if "val_loss" in a and "val_loss" in b:
                     q = b["val_loss"] / a["val_loss"]
-                    rows.append([seq, side, f"{a['val_loss']:.4f}", fp8, f"{b['val_loss']:.4f}",
+                    rows.append([seq, ref, f"{a['val_loss']:.4f}", run, f"{b['val_loss']:.4f}",
                                  f"{q:.4f}", "yes" if abs(q - 1) <= 0.01 else "NO"])  # fmt: skip
-        headers = ["seq", "side", "bf16 val loss", "float8 run", "its val loss", "float8 / bf16",
+        headers = ["seq", "reference", "its val loss", "run", "its val loss", "run / reference",
                    "within 1%"]  # fmt: skip
         print(markdown_table(headers, rows))
     rows = []

@@ -42,3 +42,19 @@ def test_memory_peaks_reads_a_pickled_snapshot_and_needs_the_window(tmp_path):
                         "--memory-peaks", "--steps", "4"], capture_output=True, text=True,
                        cwd=titan.ROOT, timeout=120)  # fmt: skip
     assert r.returncode == 2 and "--steps at least 5" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_quality_pairs_each_run_with_its_reference():
+    """--quality: float8 runs against their side's bf16 run of the same variant; another
+    variant's bf16 run against the first variant's."""
+    plain = titan.quality_pairs([("bf16", None), ("preset", None), ("fp8", None)],
+                                ["bf16", "fp8 output-bf16"])  # fmt: skip
+    assert plain == [("ours bf16", "ours preset"), ("ours bf16", "ours fp8"),
+                     ("torchtitan bf16", "torchtitan fp8 output-bf16")]  # fmt: skip
+    moments = titan.quality_pairs(
+        [("bf16", "fp32 moments"), ("bf16", "bf16 moments"), ("fp8", "bf16 moments")], []
+    )
+    assert moments == [
+        ("ours bf16 (bf16 moments)", "ours fp8 (bf16 moments)"),
+        ("ours bf16 (fp32 moments)", "ours bf16 (bf16 moments)"),
+    ]
