@@ -737,6 +737,6 @@ def test_profile_memory_writes_the_allocators_history_over_the_profiled_steps(tm
 
     table = (path.parent / "memory.md").read_text()
     window_gib = float(re.search(r"Peak allocated: ([\d.]+) GiB", table).group(1))
-    run_gb = read_peak_memory(r.stdout)[0]
-    assert 0.5 * run_gb <= window_gib * 2**30 / 1e9 <= run_gb * 1.01, (window_gib, run_gb)
+    run_gb = read_peak_memory(r.stdout)[0]  # printed to 0.1 GB: 0.05 either way
+    assert 0.5 * run_gb - 0.05 <= window_gib * 2**30 / 1e9 <= run_gb + 0.06, (window_gib, run_gb)
     assert "allocated before the profiled window" in table and "trainer.py" in table, table
