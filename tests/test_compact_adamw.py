@@ -104,6 +104,44 @@ def test_its_state_loads_into_torch_adamw_and_back():
     assert float(back.state[p0]["step"]) == 3.0
 
 
+def test_loading_keeps_the_moments_it_is_given_and_never_casts_them_all_to_fp32(monkeypatch):
+    """A resume (DCP reads into the optimizer's own tensors, then set_state_dict loads them):
+    the moments stay those very bf16 tensors, with no fp32 copy of them made on the way
+    (torch's loading would cast every one to the parameters' dtype first: 8 bytes a
+    parameter at once); the groups' hyperparameters and step counts load as torch loads
+    them, and training goes on as the saved optimizer's would."""
+    model, grads = model_and_grads(4)
+    ours = CompactAdamW(groups(model), lr=1e-2, betas=(0.9, 0.95))
+    run(ours, model, grads[:3])
+    saved = copy.deepcopy(ours.state_dict())  # the tensors DCP would have read into
+    saved["param_groups"][0]["lr"] = 0.5
+    after = copy.deepcopy(model)
+    back = CompactAdamW(groups(after), lr=1e-2, betas=(0.9, 0.95))
+    upcasts = []
+    real_to = torch.Tensor.to
+
+    def to(t, *args, **kwargs):  # any cast of a bf16 tensor to fp32
+        out = real_to(t, *args, **kwargs)
+        if t.dtype == torch.bfloat16 and out.dtype == torch.float32:
+            upcasts.append(t.shape)
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    back.load_state_dict(saved)
+    monkeypatch.undo()
+    assert upcasts == []
+    for g_saved, g in zip(saved["param_groups"], back.param_groups, strict=True):
+        for i, p in zip(g_saved["params"], g["params"], strict=True):  # ids in the groups' order
+            for k in ("exp_avg", "exp_avg_sq"):
+                assert back.state[p][k] is saved["state"][i][k]
+            assert float(back.state[p]["step"]) == 3.0
+    assert back.param_groups[0]["lr"] == 0.5
+    run(ours, model, grads[3:])
+    run(back, after, grads[3:])
+    for a, b in zip(model.parameters(), after.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_a_float8_all_gathered_weight_is_updated_in_its_fp32_tensor():
     """Under FSDP2 with float8 all-gathers, torchao wraps each weight's shard in a subclass
     around its fp32 tensor: the update lands there, as on a plain parameter."""

@@ -22,6 +22,8 @@ the other (the moments are cast on loading)."""
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
@@ -148,14 +150,26 @@ class CompactAdamW(torch.optim.Optimizer):
         return sent[1]
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch's loading casts the moments to the parameters' dtype (fp32): back to
-        this optimizer's. (The step counts it puts on the parameters' device, as for any
-        optimizer marked fused.)"""
-        super().load_state_dict(state_dict)
-        for st in self.state.values():
-            for k in ("exp_avg", "exp_avg_sq"):
-                if k in st and st[k].dtype != self.state_dtype:
-                    st[k] = st[k].to(self.state_dtype)
+        """torch's loading would cast every moment to the parameters' dtype (fp32) before
+        this optimizer could cast them back: 8 bytes a parameter at once, more than a GPU
+        holding its shards of the 8B has to spare on a resume. So torch loads all but the
+        moments (the groups' hyperparameters; the step counts, which it puts on the
+        parameters' device as for any optimizer marked fused), and the moments are put
+        back here in this optimizer's dtype one at a time. A moment already in that dtype
+        and on that device is kept as it is: where DCP read the checkpoint in place, it
+        is this optimizer's own tensor."""
+        moments = ("exp_avg", "exp_avg_sq")
+        rest = {i: {k: v for k, v in st.items() if k not in moments}
+                for i, st in state_dict["state"].items()}  # fmt: skip
+        super().load_state_dict({**state_dict, "state": rest})
+        # The saved ids follow the groups' order, as torch maps them.
+        saved = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
+        for i, p in zip(saved, params, strict=True):
+            for k in moments:
+                if k in state_dict["state"].get(i, {}):
+                    moment = state_dict["state"][i][k]
+                    self.state[p][k] = moment.to(device=p.device, dtype=self.state_dtype)
 
     @torch.no_grad()
     def step(self, closure=None):
