@@ -548,3 +548,13 @@ def test_the_out_of_memory_line_names_the_settings_of_the_phase(monkeypatch):
     explicit = parse_args(["--data.batch_size", "8", "--optim.grad_accum", "4"])
     assert "a larger --optim.grad_accum keeps the step's tokens" in line(refused, explicit, 3)
     assert "expandable_segments" not in in_step  # the GPU's allocator only
+    # The training state's share at a step too: bf16 moments; under FSDP2, more GPUs.
+    assert in_step.endswith("--optim.state_dtype bf16 (AdamW's moments in bf16: 4 bytes a "
+                            "parameter less); the checkpoints written so far are intact: the "
+                            "same command with the change resumes")  # fmt: skip
+    assert "--fsdp" not in in_step and "more GPUs" not in in_step
+    sharded = parse_args(["--data.batch_size", "1", "--fsdp", "--optim.state_dtype", "bf16"])
+    on_8 = line(refused, sharded, 1)
+    assert "more GPUs (FSDP2 shards the training state over the ranks, now 8)" in on_8
+    assert "--optim.state_dtype" not in on_8  # already bf16
+    assert "more GPUs" in line(refused, sharded, None)

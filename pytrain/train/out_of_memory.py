@@ -58,12 +58,16 @@ def line(e: BaseException, cfg, step: int | None) -> str:
         held = f" (an allocation of {int(m.group(1)) / GIB:.1f} GiB was refused)" if m else ""
     d, world = cfg.data, int(os.environ.get("WORLD_SIZE", "1"))
     fixes = []
+    # The training state's share, in either phase: the 8B preset, say, trains on 2 GPUs only
+    # with bf16 moments, and without them runs out of memory at its first step.
+    state = []
+    if cfg.optim.name == "adamw" and cfg.optim.state_dtype == "fp32":
+        state.append("--optim.state_dtype bf16 (AdamW's moments in bf16: 4 bytes a parameter less)")
+    if cfg.fsdp is True:
+        state.append(f"more GPUs (FSDP2 shards the training state over the ranks, now {world})")
     if step is None:
         where = "while setting up the model and optimizer"
-        if cfg.optim.name == "adamw" and cfg.optim.state_dtype == "fp32":
-            fixes.append(
-                "--optim.state_dtype bf16 (AdamW's moments in bf16: 4 bytes a parameter less)"
-            )
+        fixes += state
         if world > 1 and cfg.fsdp is not True:
             fixes.append(
                 "--fsdp (parameters, gradients and optimizer state sharded over the ranks)"
@@ -88,6 +92,7 @@ def line(e: BaseException, cfg, step: int | None) -> str:
         if which == "GPU" and not env_guards.expandable_in_force():  # fragmentation
             fixes.append("PYTORCH_ALLOC_CONF=expandable_segments:True (less memory lost "
                          "to fragmentation)")  # fmt: skip
+        fixes += state
     kept = (
         ""
         if step is None
