@@ -59,13 +59,13 @@ def peak_composition(snapshot: dict, device: int = 0, top: int = 12) -> dict:
     )
 
     def replay(until: int | None):
-        live: dict[int, tuple[int, str]] = {}
+        live: dict[int, tuple[int, int]] = {}  # address: (bytes, index of its alloc event)
         cur = peak = 0
         peak_at = -1
         pre_freed = 0  # bytes allocated before the window and freed in it
         for i, e in enumerate(trace if until is None else trace[: until + 1]):
             if e["action"] == "alloc":
-                live[e["addr"]] = (e["size"], where(e.get("frames") or []))
+                live[e["addr"]] = (e["size"], i)
                 cur += e["size"]
                 if cur > peak:
                     peak, peak_at = cur, i
@@ -84,7 +84,8 @@ def peak_composition(snapshot: dict, device: int = 0, top: int = 12) -> dict:
                 "other_bytes": 0, "other_count": 0, "events": len(trace), "peak_event": -1}  # fmt: skip
     live, _, _, _, pre_freed = replay(peak_at)
     sizes: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    for size, place in live.values():
+    for size, i in live.values():  # placed only now: one stack per live block, not per event
+        place = where(trace[i].get("frames") or [])
         sizes[place][0] += size
         sizes[place][1] += 1
     ranked = sorted(sizes.items(), key=lambda kv: -kv[1][0])
