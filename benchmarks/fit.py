@@ -33,7 +33,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import machine_line, markdown_table, median_steady, read_steps  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    failure_line,
+    machine_line,
+    markdown_table,
+    median_steady,
+    read_steps,
+)
 
 # The trainer in this process after capping its share of the GPU's memory. The cap needs
 # torch, and torch must come after the trainer's Inductor guards (they are read at import):
@@ -86,7 +92,7 @@ def run_policy(args, data: Path, policy: str) -> dict:
         elif timed_out:
             why = f"no step {args.steps} in {args.timeout:g} s"
         else:
-            why = (output.strip().splitlines() or ["?"])[-1][:160]
+            why = failure_line(output)
         return {"fits": False, "why": why, "wall_s": wall}
     peak = [x["reserved_gib"] for x in steps if "reserved_gib" in x]
     return {

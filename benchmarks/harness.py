@@ -2,8 +2,9 @@
 run from the repository root (`python benchmarks/NAME.py --help` says what it measures and
 how). This module is what they share: the line naming the machine a run measured (every
 benchmark prints it first), the median of a run's steady steps, Markdown tables, train.log's
-step lines, a run's peak GPU memory, real text to tokenize, a timed read of a loader, and
-the end of a launched job with all its processes.
+step lines, a run's peak GPU memory, real text to tokenize, a timed read of a loader, the
+line that says why a launched run failed, and the end of a launched job with all its
+processes.
 It imports no torch until a function needs it (read_steps); machine_line asks a child
 process."""
 
@@ -155,14 +156,28 @@ def read_for(loader, seconds: float) -> tuple[int, float, float]:
     return tokens, time.perf_counter() - t0, time.process_time() - c0
 
 
-def _tree(pid: int) -> list[int]:
-    """`pid` and its descendants, parents first, from /proc (Linux)."""
+def failure_line(output: str) -> str:
+    """Why a launched run failed, in one line: the trainer's own (out of memory, a bad flag)
+    where a rank printed one, not the report torchrun prints after it; else the last line."""
+    lines = output.strip().splitlines() or ["?"]
+    return next((x for x in lines if x.startswith("pytrain.train: ")), lines[-1])[:200]
+
+
+def children(pid: int) -> list[int]:
+    """The processes `pid` started and that still run (torchrun's agent: its ranks), from
+    /proc (Linux); [] once `pid` is gone."""
     try:
-        kids = [int(x) for t in Path(f"/proc/{pid}/task").iterdir()
-                for x in (t / "children").read_text().split()]  # fmt: skip
-    except OSError:  # already gone
+        return sorted(int(x) for t in Path(f"/proc/{pid}/task").iterdir()
+                      for x in (t / "children").read_text().split())  # fmt: skip
+    except OSError:
         return []
-    return [pid] + [d for kid in kids for d in _tree(kid)]
+
+
+def _tree(pid: int) -> list[int]:
+    """`pid` and its descendants, parents first."""
+    if not Path(f"/proc/{pid}").exists():
+        return []
+    return [pid] + [d for kid in children(pid) for d in _tree(kid)]
 
 
 def _running(pid: int) -> bool:

@@ -52,6 +52,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.harness import (  # noqa: E402
+    failure_line,
     machine_line,
     markdown_table,
     median_steady,
@@ -134,13 +135,6 @@ def run_together(procs: list[Launch], stem: Path) -> tuple[int, str, str]:
     for f in (f for pair in files for f in pair):
         f.unlink()
     return code, outs[0], outs[1]
-
-
-def failure_line(stderr: str) -> str:
-    """What a failed job's row says: the trainer's own line (out of memory, a bad flag) where
-    a rank printed one, not the banner torchrun prints after it; else the last line."""
-    lines = stderr.strip().splitlines() or ["?"]
-    return next((x for x in lines if x.startswith("pytrain.train: ")), lines[-1])[:200]
 
 
 def run(n: int, args, data: Path, fsdp: bool, profile: bool, agents: int = 1) -> dict:

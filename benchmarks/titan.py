@@ -69,6 +69,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.harness import (  # noqa: E402
+    failure_line,
     kill_tree,
     machine_line,
     markdown_table,
@@ -172,7 +173,7 @@ def run_titan(
     logged = [{"step": int(s), "tok/s": float(t.replace(",", "")), "memory_gib": float(m)}
             for s, m, t in re.findall(r"(?<!validate )step:\s*(\d+).*?memory:\s*([\d.]+)GiB.*?tps: ([\d,]+)", log)]  # fmt: skip
     if r.returncode or not logged:
-        return {"error": (log.strip().splitlines() or ["?"])[-1][:200]}
+        return {"error": failure_line(log)}
     vals = re.findall(r"validate step:\s*\d+\s+loss:\s*([\d.]+)", log)
     return {"tokens_per_s": median_steady(logged, "tok/s", steps // 3),
             "peak_gib": max(x["memory_gib"] for x in logged), "wall_s": round(wall),
@@ -240,7 +241,7 @@ def run_ours(
     (work / f"{name}.log").write_text(out)
     logged = read_steps(log)
     if code or len(logged) < steps:
-        return {"error": (out.strip().splitlines() or ["?"])[-1][:200]}
+        return {"error": failure_line(out)}
     vals = re.findall(r"step \d+ val_loss ([\d.]+)", log.read_text())
     md = work / "runs" / name / "profile" / "memory.md"
     # What `auto` resolved to (a missing FA4 library turns attention into flex, silently

@@ -63,7 +63,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.harness import kill_tree  # noqa: E402
+from benchmarks.harness import children, kill_tree  # noqa: E402
 from pytrain.model.hf import LOGITS_TOLERANCE  # noqa: E402
 from pytrain.train.cli import read_fallbacks, read_peak_memory, read_start_line  # noqa: E402
 from pytrain.train.metrics import read_step_lines  # noqa: E402
@@ -584,19 +584,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def workers(agent: int) -> list[int]:
-    """The processes an agent started (its ranks), by their parent pid in /proc."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:  # "pid (name) state ppid ...": the name may hold spaces and parentheses
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue  # a process that ended meanwhile
-        if ppid == agent:
-            found.append(int(stat.parent.name))
-    return sorted(found)
-
-
 def two_agents(
     work: Path, name: str, args: list[str], kill_after: int = 0
 ) -> tuple[list[int], list[str]]:
@@ -621,7 +608,7 @@ def two_agents(
         if any(p.poll() is not None for p in procs):
             break  # ended before the step: the row fails on what it says
         if logged_step(run_dir) >= kill_after:
-            for rank in workers(procs[1].pid)[-1:]:
+            for rank in children(procs[1].pid)[-1:]:  # the agent's ranks
                 os.kill(rank, signal.SIGKILL)
             break
         time.sleep(0.5)
