@@ -189,3 +189,22 @@ def test_the_compiled_update_equals_the_eager_one_at_any_size():
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
         assert float(step) == (3.0 if skip else 4.0)
     assert compiled_graphs() == graphs
+
+
+def test_its_steps_make_no_graph_after_the_one_compiled_when_it_is_made(monkeypatch):
+    """The update as step() calls it (under no_grad, on views of parameters that require
+    grad) meets the guards of the graph compiled on scratch tensors when the optimizer is
+    made: a graph more would read as a recompile after the trainer's warm-up. Dynamo's
+    guards, not Inductor's code, decide this, so the eager backend stands in for CUDA's."""
+    from pytrain.train.compile_policy import compiled_graphs
+
+    torch._dynamo.reset()
+    compiled = torch.compile(adamw_update, dynamic=True, fullgraph=True, backend="eager")
+    monkeypatch.setattr(compact_adamw, "_update_fn", lambda device: compiled)
+    for dtype in (torch.float32, torch.bfloat16):
+        model, grads = model_and_grads()
+        opt = CompactAdamW(groups(model), lr=1e-2, betas=(0.9, 0.95), state_dtype=dtype)
+        graphs = compiled_graphs()
+        run(opt, model, grads, scales=[1.0, 2.0, 1.0, 1.0, 1.0], skips=[0, 0, 1, 0, 0])
+        assert compiled_graphs() == graphs, dtype
+        assert float(opt.state[next(model.parameters())]["step"]) == 4.0

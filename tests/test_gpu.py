@@ -739,4 +739,6 @@ def test_profile_memory_writes_the_allocators_history_over_the_profiled_steps(tm
     window_gib = float(re.search(r"Peak allocated: ([\d.]+) GiB", table).group(1))
     run_gb = read_peak_memory(r.stdout)[0]  # printed to 0.1 GB: 0.05 either way
     assert 0.5 * run_gb - 0.05 <= window_gib * 2**30 / 1e9 <= run_gb + 0.06, (window_gib, run_gb)
-    assert "allocated before the profiled window" in table and "trainer.py" in table, table
+    # Inductor's generated code is named with the model's line behind it
+    assert "allocated before the profiled window" in table, table
+    assert re.search(r"\.py:\d+ call < gpt\.py:\d+ forward", table), table

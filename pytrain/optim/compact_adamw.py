@@ -88,12 +88,14 @@ def scratch_args(device: torch.device, state_dtype: torch.dtype) -> tuple[torch.
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A tensor's local part (its shard under FSDP2), flat, as a plain tensor: torchao's
     float8 all-gather wraps each weight's shard in a subclass around the fp32 tensor
-    (`_tensor`), which is the one to update (the compiled update takes plain tensors)."""
+    (`_tensor`), which is the one to update (the compiled update takes plain tensors).
+    Detached: a parameter's view still requires grad under no_grad, and Dynamo guards on
+    that (the scratch tensors the update is compiled on do not)."""
     local = t.to_local() if hasattr(t, "to_local") else t
     inner = getattr(local, "_tensor", None)
     if is_traceable_wrapper_subclass(local) and isinstance(inner, torch.Tensor):
         local = inner
-    return local.view(-1)
+    return local.detach().view(-1)
 
 
 class CompactAdamW(torch.optim.Optimizer):
@@ -130,9 +132,11 @@ class CompactAdamW(torch.optim.Optimizer):
         self.device = torch.device("cpu") if first is None else _local(first).device
         # The update is compiled here, on scratch tensors, rather than at the first step:
         # the trainer counts the graphs its warm-up made, and one made later reads as a
-        # recompile.
-        if self.device.type == "cuda":
-            _update_fn(self.device)(*scratch_args(self.device, state_dtype))
+        # recompile. Under no_grad, as step() calls it: Dynamo guards on the grad mode.
+        update = _update_fn(self.device)
+        if update is not adamw_update:
+            with torch.no_grad():
+                update(*scratch_args(self.device, state_dtype))
 
     def _hyper_of(self, i: int, group: dict) -> torch.Tensor:
         """Group i's lr, weight decay, betas and eps on the device. A copy from the host
