@@ -43,6 +43,56 @@ def test_linear_cross_entropy_equals_torch_loss_and_gradients():
     assert float(want[1][::7].abs().max()) == 0.0  # ignored rows get no gradient
 
 
+def logits_rows(monkeypatch, op, *args) -> list[int]:
+    """The rows of logits each pass of `op(*args)` turned into their gradient."""
+    rows: list[int] = []
+    real = fused_ce.ce_grad_
+    monkeypatch.setattr(
+        fused_ce, "ce_grad_", lambda lg, *a, **k: rows.append(len(lg)) or real(lg, *a, **k)
+    )
+    op(*args)
+    monkeypatch.setattr(fused_ce, "ce_grad_", real)
+    return rows
+
+
+def test_row_chunks_cover_every_row_once_within_the_budget():
+    for n, v in ((8192, 128256), (48, 301), (60, 10**7), (16384, 50304), (1, 7)):
+        chunks = fused_ce.row_chunks(n, v, 2)
+        rows = [r.stop - r.start for r in chunks]
+        assert [r.start for r in chunks] == [sum(rows[:i]) for i in range(len(rows))]
+        assert sum(rows) == n
+        assert all(k % 16 == 0 for k in rows[:-1]) and max(rows) - min(rows) < 16 + n // 16
+        assert len(chunks) == 1 or max(rows) * v * 2 <= fused_ce.CHUNK_BYTES + 16 * v * 2
+    assert len(fused_ce.row_chunks(8192, 128256, 2)) == 2  # the 8B's micro-batch: 2 x 1 GiB
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_in_chunks_of_rows_the_op_is_the_same_and_never_holds_all_logits(monkeypatch, fp8):
+    """With the logits over CHUNK_BYTES the op goes chunk by chunk: the loss and both
+    gradients stay the reference's (fp32), or the FP8 emulation's, and no pass makes more
+    logits than a chunk's."""
+    x, w, t = fp8_inputs() if fp8 else inputs(n=96)
+    n, v = len(t), w.shape[0]
+    monkeypatch.setattr(fused_ce, "CHUNK_BYTES", 32 * v * x.element_size())
+    assert len(fused_ce.row_chunks(n, v, x.element_size())) > 1
+    if fp8:
+        got = torch.ops.pytrain.linear_ce_fp8(x, w, t)
+        want = fp8_emulated(x, w, t)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-4)
+        for a, b in zip(got[1:], want[1:], strict=True):
+            torch.testing.assert_close(a.float(), b.float(), rtol=2**-7, atol=1e-6)
+    else:
+        got = grads(fused_ce.linear_cross_entropy, x, w, t, scale=0.37)
+        want = grads(reference, x, w, t, scale=0.37)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    op = torch.ops.pytrain.linear_ce_fp8 if fp8 else torch.ops.pytrain.linear_ce
+    args = (x.detach(), w.detach(), t)
+    assert logits_rows(monkeypatch, op, *args) == [32] * (n // 32)
+    monkeypatch.setattr(fused_ce, "CHUNK_BYTES", 2**30)  # one chunk: all logits at once
+    assert logits_rows(monkeypatch, op, *args) == [n]
+
+
 def test_linear_cross_entropy_compiles_as_one_graph():
     """Dynamo traces the op without a graph break (fullgraph=True raises on one)."""
     x, w, t = inputs()

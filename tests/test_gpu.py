@@ -244,6 +244,39 @@ def test_fused_ce_triton_kernel_equals_torch_path_at_gpt2_vocab():
     assert float(b[::9].float().abs().max()) == 0.0
 
 
+@needs_cuda
+@pytest.mark.parametrize("fp8", [False, True])
+def test_fused_ce_in_chunks_of_rows_on_the_gpu(monkeypatch, fp8):
+    """The op over 4,096 tokens at Llama 3's vocabulary in 4 chunks of rows against one
+    pass (cuBLAS, the Triton kernel): the same loss within float error and gradients within
+    bf16's (the weight's gradient summed over the chunks in bf16), and the chunks' peak of
+    memory below the single pass's by about the logits they no longer hold at once."""
+    from pytrain.model import fused_ce
+
+    if fp8 and not fp8_gpu():
+        pytest.skip("needs an FP8 GPU")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n, c, v = 4096, 512, 128256
+    x = torch.randn(n, c, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(v, c, device="cuda", generator=g) * 0.05).bfloat16()
+    t = torch.randint(0, v, (n,), device="cuda", generator=g)
+    op = torch.ops.pytrain.linear_ce_fp8 if fp8 else torch.ops.pytrain.linear_ce
+    out, peak = {}, {}
+    for chunks in (1, 4):
+        monkeypatch.setattr(fused_ce, "CHUNK_BYTES", n * v * 2 // chunks)
+        assert len(fused_ce.row_chunks(n, v, 2)) == chunks
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out[chunks] = op(x, w, t)
+        peak[chunks] = torch.cuda.max_memory_allocated() - base
+    torch.testing.assert_close(out[4][0], out[1][0], rtol=1e-5, atol=0)
+    for a, b in zip(out[4][1:], out[1][1:], strict=True):
+        assert float((a.float() - b.float()).norm() / b.float().norm()) < 1e-2
+    logits = n * v * 2
+    assert peak[1] - peak[4] > (0.4 if fp8 else 0.6) * logits, (peak, logits)
+
+
 def fp8_gpu() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 

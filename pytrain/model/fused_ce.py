@@ -16,6 +16,8 @@ torch custom op, torch.compile treats it as one opaque call (no graph break)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 try:
@@ -24,7 +26,14 @@ try:
 except ImportError:  # CPU-only installs without Triton use the torch path
     triton = None
 
-__all__ = ["IGNORE_INDEX", "ce_grad_", "fp8_shapes_ok", "linear_cross_entropy", "triton_available"]
+__all__ = [
+    "IGNORE_INDEX",
+    "ce_grad_",
+    "fp8_shapes_ok",
+    "linear_cross_entropy",
+    "row_chunks",
+    "triton_available",
+]
 
 IGNORE_INDEX = -100
 
@@ -169,15 +178,44 @@ def ce_grad_(
     )
 
 
+CHUNK_BYTES = 2**30
+"""The most logits one pass holds (1 GiB in the compute dtype). The op goes over the
+tokens in chunks of rows: at the 8B's micro-batch (8,192 tokens x 128,256) the logits are 2
+GiB, and with the output layer's gradient (and, in FP8, the e5m2 gradient) beside them the
+forward's end was the step's peak of memory. The matmuls stay large (4,096 rows a chunk
+there), and where the logits fit one chunk the op is the single pass it was."""
+
+
+def row_chunks(n: int, v: int, itemsize: int) -> list[slice]:
+    """Slices of `n` rows, as few as keep each chunk's (rows x `v`) logits within
+    CHUNK_BYTES, equal in size, multiples of 16 rows (FP8 matmuls need them) but the last."""
+    chunks = max(1, math.ceil(n * v * itemsize / CHUNK_BYTES))
+    rows = math.ceil(math.ceil(n / chunks) / 16) * 16
+    return [slice(i, min(i + rows, n)) for i in range(0, n, rows)]
+
+
 @torch.library.custom_op("pytrain::linear_ce", mutates_args=())
 def _linear_ce(
     x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(summed loss fp32, d/dx (N, C), d/dweight (V, C)), both gradients in x's dtype."""
+    """(summed loss fp32, d/dx (N, C), d/dweight (V, C)), both gradients in x's dtype.
+    Chunk by chunk of rows (row_chunks); d/dweight sums the chunks' products in its dtype,
+    as the matmul's own accumulation does across its inner dimension."""
     w = weight.to(x.dtype)
-    logits = x @ w.t()
-    losses = ce_grad_(logits, targets)
-    return losses.sum(), logits @ w, logits.t() @ x
+    losses = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    grad_x = torch.empty_like(x)
+    grad_w: torch.Tensor | None = None
+    for rows in row_chunks(x.shape[0], w.shape[0], x.element_size()):
+        logits = x[rows] @ w.t()
+        losses[rows] = ce_grad_(logits, targets[rows])
+        torch.mm(logits, w, out=grad_x[rows])
+        if grad_w is None:
+            grad_w = logits.t() @ x[rows]
+        else:
+            grad_w.addmm_(logits.t(), x[rows])
+        del logits
+    assert grad_w is not None  # x has rows: the fake and the callers make sure of it
+    return losses.sum(), grad_x, grad_w
 
 
 @_linear_ce.register_fake
@@ -251,21 +289,27 @@ def _linear_ce_fp8(
     x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """linear_ce with FP8 gradient matmuls (see above); the same outputs and dtypes, and
-    the same loss (the logits are the bf16 op's)."""
+    the same loss (the logits are the bf16 op's). The logits are made chunk by chunk of rows
+    (row_chunks), each turned at once into its rows of the e5m2 gradient; the quantised
+    operands are made only when their matmul is next, and each tensor is let go once used,
+    so at most two tensors of the gradient's size (1 byte an element) are held at a time."""
     w = weight.to(x.dtype)
-    logits = x @ w.t()
-    x8_t, x_inv = _e4m3_t(x)
-    w8_t, w_inv = _e4m3_t(w)
-    g8 = torch.empty(logits.shape, dtype=torch.float8_e5m2, device=x.device)
-    losses = ce_grad_(logits, targets, out=g8, out_scale=G_SCALE)
-    del logits
+    losses = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    g8 = torch.empty((x.shape[0], w.shape[0]), dtype=torch.float8_e5m2, device=x.device)
+    for rows in row_chunks(x.shape[0], w.shape[0], x.element_size()):
+        logits = x[rows] @ w.t()
+        losses[rows] = ce_grad_(logits, targets[rows], out=g8[rows], out_scale=G_SCALE)
+        del logits
     g_inv = torch.full((), 1.0 / G_SCALE, device=x.device)
     # (N, V) @ (V, C): the weight as a column-major (V, C), i.e. a row-major (C, V) copy.
+    w8_t, w_inv = _e4m3_t(w)
     grad_x = torch._scaled_mm(g8, w8_t.t(), scale_a=g_inv, scale_b=w_inv, out_dtype=x.dtype)
+    del w8_t
     # (V, N) @ (N, C): the gradient transposed (row-major (V, N)), x column-major.
-    grad_w = torch._scaled_mm(
-        transpose(g8), x8_t.t(), scale_a=g_inv, scale_b=x_inv, out_dtype=x.dtype
-    )
+    g8_t = transpose(g8)
+    del g8
+    x8_t, x_inv = _e4m3_t(x)
+    grad_w = torch._scaled_mm(g8_t, x8_t.t(), scale_a=g_inv, scale_b=x_inv, out_dtype=x.dtype)
     return losses.sum(), grad_x, grad_w
 
 
