@@ -199,8 +199,8 @@ def _linear_ce(
     x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(summed loss fp32, d/dx (N, C), d/dweight (V, C)), both gradients in x's dtype.
-    Chunk by chunk of rows (row_chunks); d/dweight sums the chunks' products in its dtype,
-    as the matmul's own accumulation does across its inner dimension."""
+    Chunk by chunk of rows (row_chunks); d/dweight adds each chunk's product into the
+    first's in its own dtype (under bf16, one rounding more a chunk: one at the 8B)."""
     w = weight.to(x.dtype)
     losses = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
     grad_x = torch.empty_like(x)
