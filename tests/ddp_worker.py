@@ -20,7 +20,11 @@ from pytrain.train import distributed  # noqa: E402
 
 denom = distributed.all_sum(n, t.dist, t.device)
 t.optimizer.zero_grad()
-t._forward_backward(batches, denom)
+# FSDP2 names each unit's all-gather for the profiler: "FSDP::all_gather (unit)", the
+# root's without a name
+with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    t._forward_backward(batches, denom)
+gathers = sum(e.name.split(" (")[0] == "FSDP::all_gather" for e in prof.events())
 names = {id(p): n for n, p in t.gpt.named_parameters()}
 if t.plan.kind == "replicas":  # the fp32 sums in the optimizer, averaged over the ranks
     t.opt_step.masters.all_reduce_grads(t.dist.world_size)
@@ -45,6 +49,9 @@ torch.save(
         # FSDP2: whether the embedding is a unit of its own (gathered for the lookup only)
         "embed_unit": type(t.gpt.embed).__name__.startswith("FSDP"),
         "denom": denom,
+        "all_gathers": gathers,
+        # after the step every weight is a shard again (held or not while it ran)
+        "resharded": all(type(p).__name__ == "DTensor" for p in t.gpt.parameters()),
         "loader_state": t.loader.state_dict(),
     },
     f"{out}/rank{t.dist.rank}.pt",

@@ -29,7 +29,9 @@ def cfg_args(small_corpus, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2", "fsdp2-selective", "fsdp2-untied", "replicas"])
+@pytest.mark.parametrize(
+    "wrapper", ["ddp", "fsdp2", "fsdp2-selective", "fsdp2-untied", "fsdp2-held", "replicas"]
+)
 def test_two_process_gloo_matches_single_process(small_corpus, tmp_path, wrapper):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent.parent)}
     # bf16 replicas: each rank's bf16 gradients summed in fp32, the sums all-reduced once.
@@ -39,8 +41,10 @@ def test_two_process_gloo_matches_single_process(small_corpus, tmp_path, wrapper
     selective = ["--fsdp", "--activation_checkpointing", "selective"]
     # fsdp2-untied: the embedding apart from the output layer, a unit of FSDP2's own.
     untied = ["--model.tie_embeddings", "false"]
+    # fsdp2-held: the gathered weights kept through the step (fsdp_hold_weights).
+    held = ["--fsdp", "--fsdp_hold_weights", "true"]
     flags = {"ddp": [], "fsdp2": ["--fsdp"], "fsdp2-selective": selective,
-             "fsdp2-untied": ["--fsdp", *untied], "replicas": bf16}[wrapper]  # fmt: skip
+             "fsdp2-untied": ["--fsdp", *untied], "fsdp2-held": held, "replicas": bf16}[wrapper]  # fmt: skip
     port = next(PORTS)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
            str(Path(__file__).parent / "ddp_worker.py"), str(tmp_path), *cfg_args(small_corpus, tmp_path), *flags]  # fmt: skip
@@ -54,6 +58,12 @@ def test_two_process_gloo_matches_single_process(small_corpus, tmp_path, wrapper
     assert ranks[0]["loader_state"] == ranks[1]["loader_state"]  # one state for every rank
     assert ranks[0]["plan"] == wrapper.split("-")[0]
     assert ranks[0]["embed_unit"] == (wrapper == "fsdp2-untied")
+    if wrapper in ("fsdp2", "fsdp2-held"):
+        # 3 units (2 blocks, the root): the blocks gathered for each forward and backward
+        # and the root for each forward, 5 a micro-batch, 2 micro-batches; or, held, once
+        # each in the step. Either way the step ends with the weights sharded.
+        assert ranks[0]["all_gathers"] == (3 if wrapper == "fsdp2-held" else 10)
+        assert ranks[0]["resharded"]
     # All-reduced gradients are the same on both ranks ...
     assert ranks[0]["grads"].keys() == ranks[1]["grads"].keys()
     for name, g0 in ranks[0]["grads"].items():

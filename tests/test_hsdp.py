@@ -123,17 +123,21 @@ def test_the_shard_group_is_a_node_unless_asked_and_divides_the_ranks():
     assert parse_args(["--fsdp", "--fsdp_shard_size", "2"]).fsdp_shard_size == 2
 
 
-def test_fsdp2_keeps_only_gradient_shards_between_micro_batches(tmp_path):
+@pytest.mark.parametrize("hold", [False, True])
+def test_fsdp2_keeps_only_gradient_shards_between_micro_batches(tmp_path, hold):
     """Under FSDP2 every micro-batch's gradients are reduce-scattered into the shards:
     skipping that until the last micro-batch would keep each parameter's unsharded fp32
     gradient, the whole model's size on every rank. After a micro-batch that is not the
     last, every parameter already holds its sharded gradient, and the sum over two
-    micro-batches is the one-process sum."""
+    micro-batches is the one-process sum. With the weights held (fsdp_hold_weights) they
+    stay gathered between the micro-batches, the gradients are the same, and the step
+    ends with every weight sharded again (test_ddp counts the all-gathers over 2 ranks)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
 
-    from pytrain.train.parallel import no_sync
+    from pytrain.train.parallel import Plan, no_sync
 
     dist.init_process_group(
         "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
@@ -146,15 +150,22 @@ def test_fsdp2_keeps_only_gradient_shards_between_micro_batches(tmp_path):
         for layer in sharded:
             fully_shard(layer)
         fully_shard(sharded)
+        plan = Plan("fsdp2", "", 1, hold_weights=hold)
         xs = torch.randn(2, 4, 8)
-        with no_sync(sharded, last_micro_step=False):
+        with no_sync(sharded, plan, last_micro_step=False):
             sharded(xs[0]).sum().backward()
-        assert all(p.grad is not None for p in sharded.parameters())
-        with no_sync(sharded, last_micro_step=True):
+        # held, the module's parameters are the gathered ones until the step's end
+        assert all(isinstance(layer.weight, DTensor) != hold for layer in sharded)
+        if not hold:
+            assert all(p.grad is not None for p in sharded.parameters())
+        with no_sync(sharded, plan, last_micro_step=True):
             sharded(xs[1]).sum().backward()
         for x in xs:
             plain(x).sum().backward()
         for p, q in zip(plain.parameters(), sharded.parameters(), strict=True):
             torch.testing.assert_close(q.grad.full_tensor(), p.grad)
+        assert all(isinstance(layer.weight, DTensor) for layer in sharded)
+        sharded(xs[0])  # evaluation after the step: resharded after its forward as ever
+        assert all(isinstance(layer.weight, DTensor) for layer in sharded)
     finally:
         dist.destroy_process_group()

@@ -125,6 +125,12 @@ class TrainConfig:
     group, all-reduced between groups). 0 (auto): a node's ranks where the job spans
     several nodes (torchrun's LOCAL_WORLD_SIZE), else all ranks; N: groups of N consecutive
     ranks (N = all ranks: FSDP2 over every node). Needs --fsdp where it is not 0."""
+    fsdp_hold_weights: bool = False
+    """Under FSDP2, keep each unit's gathered bf16 weights from an optimizer step's first
+    forward to its last backward: one all-gather a unit a step, instead of two a
+    micro-batch (the forward's and the backward's), as FSDP1's SHARD_GRAD_OP did. Costs the
+    whole model in bf16 on every GPU (2.5 GB at 1B; at 8B, 16 GB: not for it). Gradients
+    are still reduce-scattered every micro-batch. Ignored where the plan is not FSDP2."""
     dist_timeout_s: float = 120.0
     """Under torchrun, how long a collective waits for the other ranks once training runs
     (after the compile warm-up): a rank that died or hangs ends the job within this, not

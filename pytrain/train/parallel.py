@@ -68,6 +68,8 @@ class Plan:
     shard: int = 0
     """FSDP2: the ranks that shard the model together; the world's ranks / shard groups
     hold replicas of each other (HSDP where there are several)."""
+    hold_weights: bool = False
+    """FSDP2: gathered weights kept through each optimizer step (fsdp_hold_weights)."""
 
     @property
     def sharded(self) -> bool:
@@ -118,16 +120,19 @@ def choose(
         f"optimizer state sharded), {replicas} groups holding replicas, the gradients' "
         "shards all-reduced between them",
     }
+    hold = cfg.fsdp_hold_weights
+    if hold:
+        how["fsdp2"] += ", the gathered weights held through each step (fsdp_hold_weights)"
     if fsdp is not None:
         kind = "fsdp2" if fsdp else replicated
         why = f"--fsdp; {why_shard}" if fsdp else "--no-fsdp"
-        return Plan(kind, f"data parallel: {how[kind]} ({why})", shard)
+        return Plan(kind, f"data parallel: {how[kind]} ({why})", shard, hold)
     total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
     gb = f"{state / 1e9:.1f} GB"
     if total and state > AUTO_FSDP_SHARE * total:
         why = f"the training state, {gb}, is over a quarter of one GPU's {total / 1e9:.0f} GB"
         return Plan(
-            "fsdp2", f"data parallel: {how['fsdp2']} (fsdp auto: {why}; {why_shard})", shard
+            "fsdp2", f"data parallel: {how['fsdp2']} (fsdp auto: {why}; {why_shard})", shard, hold
         )
     where = f"one GPU's {total / 1e9:.0f} GB" if total else "one device"
     return Plan(
@@ -191,8 +196,8 @@ def wrap(
     )
 
 
-def no_sync(model: torch.nn.Module, last_micro_step: bool):
-    """What all but the last micro-step of an optimizer step leave for the last one.
+def no_sync(model: torch.nn.Module, plan: Plan, last_micro_step: bool):
+    """What each micro-step of an optimizer step leaves for the last one.
 
     DDP skips its all-reduce (each rank sums its full gradients, as large as the model).
     FSDP2 still reduce-scatters every micro-step's gradients, so that each rank only ever
@@ -200,23 +205,43 @@ def no_sync(model: torch.nn.Module, last_micro_step: bool):
     keep every parameter's unsharded gradient in fp32 across the micro-steps, the whole
     model's size on every GPU (32 GB at 8B), which sharding is there to avoid. Under HSDP
     the shards' all-reduce between replica groups (the traffic that crosses nodes) waits
-    for the last micro-step: FSDP2 sums the reduce-scattered shards until then."""
-    if last_micro_step:
-        return nullcontext()
-    if hasattr(model, "no_sync"):  # DDP
+    for the last micro-step: FSDP2 sums the reduce-scattered shards until then. With
+    `plan.hold_weights` the gathered weights stay from the forward to the backward, and
+    from each backward to the next micro-step's forward, until the last backward."""
+    if plan.kind == "fsdp2":
+        return _FSDP2MicroStep(model, last_micro_step, plan.hold_weights)
+    if not last_micro_step and hasattr(model, "no_sync"):  # DDP
         return model.no_sync()  # type: ignore[operator]
-    if hasattr(model, "set_requires_all_reduce"):  # FSDP2 (a no-op without replica groups)
-        model.set_requires_all_reduce(False)  # type: ignore[operator]
-        return _AllReduceAfter(model)
     return nullcontext()
 
 
-class _AllReduceAfter:
-    def __init__(self, model):
-        self.model = model
+class _FSDP2MicroStep:
+    """FSDP2's settings for one micro-step, put back after it: the all-reduce between
+    replica groups on the last only (a no-op without groups); with `hold`, no resharding
+    after the forward, nor after the backward but the last. The units below the root are
+    set one by one: the root keeps FSDP2's own choice (it reshards after the backward only,
+    its weights being the first the backward needs)."""
+
+    def __init__(self, model, last: bool, hold: bool):
+        from torch.distributed.fsdp import FSDPModule
+
+        self.model, self.last, self.hold = model, last, hold
+        self.units = (
+            [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
+            if hold
+            else []
+        )
+
+    def _set(self, accumulating: bool, held: bool) -> None:
+        self.model.set_requires_all_reduce(not accumulating)
+        if self.hold:
+            for unit in self.units:
+                unit.set_reshard_after_forward(not held, recurse=False)
+            self.model.set_reshard_after_backward(not (held and accumulating))
 
     def __enter__(self):
+        self._set(accumulating=not self.last, held=True)
         return self
 
     def __exit__(self, *exc):
-        self.model.set_requires_all_reduce(True)
+        self._set(accumulating=False, held=False)

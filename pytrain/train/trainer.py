@@ -223,7 +223,7 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         scale = self.dist.world_size / denom
         for i, b in enumerate(batches):
-            with parallel.no_sync(self.module, last_micro_step=i == len(batches) - 1):
+            with parallel.no_sync(self.module, self.plan, last_micro_step=i == len(batches) - 1):
                 loss_sum = self._micro_loss(b)
                 loss = loss_sum * scale
                 (self.precision.scaler.scale(loss) if self.precision.scaler else loss).backward()
