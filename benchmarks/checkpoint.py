@@ -15,9 +15,10 @@ times, an optimizer step between saves. Each save's loop hold by phase (the slow
 when its copies into host memory and its write are done, one checkpoint's bytes on disk,
 the host memory the saves copy into (made ahead of the first, as in training), and the
 resume path's load into a fresh model and optimizer, whose tensors are checked
-against the saved ones (exit 1 where they differ). Llama-3.1-8B on 4 GPUs, and on the CPU:
+against the saved ones (exit 1 where they differ); with --cold the checkpoint is first
+dropped from the page cache, so the load reads the disk. Llama-3.1-8B on 4 GPUs, and on the CPU:
 
-    torchrun --nproc_per_node 4 benchmarks/checkpoint.py --fsdp --preset configs/llama-8b.toml --dir /tmp/ckpt-bench
+    torchrun --nproc_per_node 4 benchmarks/checkpoint.py --fsdp --preset configs/llama-8b.toml --saves 1 --cold --dir /tmp/ckpt-bench
     torchrun --nproc_per_node 2 benchmarks/checkpoint.py --fsdp --device cpu --preset configs/cpu-default.toml
 """
 
@@ -224,6 +225,23 @@ def _probe(gpt, opt) -> dict[str, torch.Tensor]:
     return out
 
 
+def evict(directory: Path) -> int:
+    """Drops the files under `directory` from the page cache (each written to disk
+    first), so that the next read of them comes from the disk: a cold load, as on a
+    restarted host. posix_fadvise(DONTNEED) asks the kernel to drop a file's clean pages;
+    it needs no privilege. Returns the bytes of the files."""
+    total = 0
+    for f in sorted(p for p in directory.rglob("*") if p.is_file()):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            total += os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+    return total
+
+
 def _rank_figures(args, cfg, info, device: torch.device, work: Path) -> dict:
     """This rank's figures: each save's (loop held, phases, copies done after, write done
     after), the host memory made ahead (bytes, pinned, seconds), the first
@@ -267,6 +285,7 @@ def _rank_figures(args, cfg, info, device: torch.device, work: Path) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     gpt, opt = _sharded(cfg, device, seed=1000, moments=False)
+    out["evicted"] = evict(work) if args.cold and info.is_main else 0
     dist.barrier()
     t0 = time.perf_counter()
     found = checkpoint.load_latest(work)  # as run_state.resume reads it
@@ -303,7 +322,9 @@ def _tables(ranks: list[dict]) -> tuple[str, str]:
         ("state (weights, AdamW state)", f"{sum(r['state'] for r in ranks) / gb:.2f} GB, "
          f"{max(r['state'] for r in ranks) / gb:.2f} GB a rank"),
         ("one checkpoint on disk", f"{disk_bytes / gb:.2f} GB in {files} files"),
-        ("load (resume: state.pt, then each rank's shards)", f"{max(r['load'] for r in ranks):.2f} s"),
+        ("load (resume: state.pt, then each rank's shards)", f"{max(r['load'] for r in ranks):.2f} s, "
+         + (f"cold (its {sum(r['evicted'] for r in ranks) / gb:.2f} GB dropped from the page cache first)"
+            if any(r["evicted"] for r in ranks) else "warm (from the page cache, as just written)")),
         ("host memory the saves copy into", host),
         ("peak host memory (RSS) a rank", f"{max(r['rss'] for r in ranks) / gb:.2f} GB"),
         ("loaded state equals the saved", f"{'yes' if same else 'NO'} "
@@ -355,8 +376,14 @@ def main() -> int:
     p.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
     p.add_argument("--fsdp", action="store_true",
                    help="under torchrun: the preset's model sharded over the ranks (above)")  # fmt: skip
-    p.add_argument("--preset", type=Path, default=Path("configs/gpt2-124m.toml"),
-                   help="with --fsdp: the model's shape and optimizer (a configs/*.toml)")  # fmt: skip
+    p.add_argument(
+        "--preset",
+        type=Path,
+        default=Path("configs/gpt2-124m.toml"),
+        help="with --fsdp: the model's shape and optimizer (a configs/*.toml)",
+    )
+    p.add_argument("--cold", action="store_true",
+                   help="with --fsdp: the checkpoint dropped from the page cache before its load")  # fmt: skip
     args = p.parse_args()
     if args.fsdp:
         return ranks_main(args)
