@@ -545,6 +545,9 @@ def test_the_out_of_memory_line_names_the_settings_of_the_phase(monkeypatch):
     assert "--activation_checkpointing full (now every-2;" in line(refused, halfway, 3)
     everything = parse_args(["--data.batch_size", "8", "--activation_checkpointing", "full"])
     assert "--activation_checkpointing" not in line(refused, everything, 3)
+    assert "--ac_lean_blocks" not in line(refused, halfway, 3)  # only under selective
+    selective = parse_args(["--activation_checkpointing", "selective", "--ac_lean_blocks", "1"])
+    assert "a larger --ac_lean_blocks (now 1;" in line(refused, selective, 3)
     explicit = parse_args(["--data.batch_size", "8", "--optim.grad_accum", "4"])
     assert "a larger --optim.grad_accum keeps the step's tokens" in line(refused, explicit, 3)
     assert "expandable_segments" not in in_step  # the GPU's allocator only

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy
 
 from pytrain.config import ConfigError, TrainConfig, check_choices, checkpoint_every
 from pytrain.model import selective_ac
@@ -204,6 +205,46 @@ def test_a_kept_op_that_writes_its_arguments_runs_once_when_compiled(monkeypatch
     assert counts == [1, 2]
 
 
+def test_a_lean_block_recomputes_its_up_projection_and_keeps_the_rest(monkeypatch):
+    """lean_policy (ac_lean_blocks): the MLP's up projection with its activation (quack's
+    gated GEMM, an op that writes its arguments, here the small stand-in above) is
+    recomputed even where it is traced: compiled, it runs twice (forward, backward's
+    recompute) where the plain policy runs it once, with the same gradients; every other
+    op is as under the plain policy."""
+    import pytrain.model.fused_gelu  # noqa: F401  (registers pytrain::gelu_up)
+
+    for op in (aten.mm.default, aten._scaled_mm.default, torch.ops.pytrain.fa4_fwd.default):
+        assert selective_ac.lean_policy(None, op) == selective_ac.policy(None, op)
+    gelu_up = torch.ops.pytrain.gelu_up.default
+    assert selective_ac.policy(None, gelu_up) == CheckpointPolicy.MUST_SAVE
+    assert selective_ac.lean_policy(None, gelu_up) == CheckpointPolicy.PREFER_RECOMPUTE
+
+    name = "pytrain_test::gated_out"
+    monkeypatch.setattr(selective_ac, "KEPT", selective_ac.KEPT | {name})
+    monkeypatch.setattr(selective_ac, "UP_PROJECTIONS", selective_ac.UP_PROJECTIONS | {name})
+    monkeypatch.setattr(selective_ac, "_facts", {})
+    g = torch.Generator().manual_seed(0)
+    x, w, w2 = (
+        torch.randn(*s, generator=g, requires_grad=True) for s in ((16, 8), (8, 16), (8, 4))
+    )
+    want = torch.autograd.grad(_gated_block(x, w, w2), (x, w, w2))
+    counts = []
+    for context in (selective_ac.context, selective_ac.lean_context):
+
+        def block(x, w, w2, context=context):
+            return torch.utils.checkpoint.checkpoint(
+                _gated_block, x, w, w2, use_reentrant=False, context_fn=context
+            )
+
+        torch._dynamo.reset()
+        _gated_out.calls = 0
+        got = torch.autograd.grad(torch.compile(block, backend="aot_eager")(x, w, w2), (x, w, w2))
+        counts.append(_gated_out.calls)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b)
+    assert counts == [1, 2]
+
+
 def test_selective_is_a_setting_and_a_typo_is_one_line_naming_the_choices():
     assert checkpoint_every("selective") == checkpoint_every("full") == 1
     cfg = TrainConfig(activation_checkpointing="selective")
@@ -216,6 +257,16 @@ def test_selective_is_a_setting_and_a_typo_is_one_line_naming_the_choices():
     assert line == (
         "activation_checkpointing is 'selektive'; expected off, full, selective or every-N (N >= 1)"
     )
+    # lean blocks: only under selective, and no more than the model has
+    check_choices(TrainConfig(activation_checkpointing="selective", ac_lean_blocks=4))
+    for ac, lean, want in (
+        ("full", 2, "ac_lean_blocks 2 makes blocks of 'selective' checkpointing leaner: it "
+         "needs --activation_checkpointing selective (now full)"),
+        ("selective", 99, "ac_lean_blocks is 99; the model has 4 blocks"),
+    ):  # fmt: skip
+        with pytest.raises(ConfigError) as e:
+            check_choices(TrainConfig(activation_checkpointing=ac, ac_lean_blocks=lean))
+        assert str(e.value) == want
 
 
 def test_compiled_selective_saves_only_kept_ops_with_a_hook_on_each_block():
@@ -292,6 +343,11 @@ def test_the_trainer_gives_every_block_the_policy(small_corpus, tmp_path):
     ]))  # fmt: skip
     assert [b.recompute for b in t.gpt.blocks] == [{"context_fn": selective_ac.context}] * 3
     assert t.ckpt_every == 1
+    t.gpt.set_activation_checkpointing("selective", lean=2)  # --ac_lean_blocks 2
+    lean, plain = {"context_fn": selective_ac.lean_context}, {"context_fn": selective_ac.context}
+    assert [b.recompute for b in t.gpt.blocks] == [lean, lean, plain]
+    t.gpt.set_activation_checkpointing("full", lean=2)  # lean only makes selective leaner
+    assert [b.recompute for b in t.gpt.blocks] == [{}] * 3
 
 
 def test_torch_compiles_in_place_warning_is_dropped_and_nothing_else():

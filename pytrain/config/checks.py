@@ -43,6 +43,7 @@ BOUNDS = {
     "ckpt_every": (0, None),
     "log_every": (1, None),
     "fsdp_shard_size": (0, None),
+    "ac_lean_blocks": (0, None),
 }
 """Numbers with a range (inclusive; None: open), checked where the command line is read.
 Positive-only ones (learning rates, betas below 1) are checked in check_choices."""
@@ -117,6 +118,16 @@ def check_choices(cfg: TrainConfig) -> None:
     if profile_window(cfg.profile_steps) is None and cfg.profile_memory:
         raise ConfigError("--profile_memory records the steps of --profile_steps A:B: set both")
     checkpoint_every(cfg.activation_checkpointing)
+    if cfg.ac_lean_blocks and cfg.activation_checkpointing != SELECTIVE:
+        raise ConfigError(
+            f"ac_lean_blocks {cfg.ac_lean_blocks} makes blocks of '{SELECTIVE}' checkpointing "
+            f"leaner: it needs --activation_checkpointing {SELECTIVE} (now "
+            f"{cfg.activation_checkpointing})"
+        )
+    if cfg.ac_lean_blocks > cfg.model.n_layer:
+        raise ConfigError(
+            f"ac_lean_blocks is {cfg.ac_lean_blocks}; the model has {cfg.model.n_layer} blocks"
+        )
     if not 0 < cfg.optim.decay_frac <= 1:
         raise ConfigError(f"optim.decay_frac is {cfg.optim.decay_frac}; expected 0 < it <= 1")
     try:

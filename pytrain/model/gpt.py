@@ -318,16 +318,19 @@ class GPT(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
-    def set_activation_checkpointing(self, every: int | str) -> None:
+    def set_activation_checkpointing(self, every: int | str, lean: int = 0) -> None:
         """The run's activation_checkpointing ('off', 'full', 'selective', 'every-N'), or the
         blocks' stride (0: off; 1: every block, 'full'; N: every N-th block). Non-reentrant;
         'selective' keeps each block's attention and matmul outputs
-        (pytrain.model.selective_ac)."""
+        (pytrain.model.selective_ac), but the first `lean` blocks recompute their MLP's up
+        projection too (ac_lean_blocks)."""
         stride = checkpoint_every(every) if isinstance(every, str) else every
         options = {"context_fn": selective_ac.context} if every == SELECTIVE else {}
+        lean_options = {"context_fn": selective_ac.lean_context}
         blocks: list[Block] = list(self.blocks)  # type: ignore[arg-type]  # ModuleList's items
         for i, block in enumerate(blocks):
-            block.recompute = options if stride and i % stride == 0 else None
+            chosen = lean_options if options and i < lean else options
+            block.recompute = chosen if stride and i % stride == 0 else None
 
     def num_params(self, non_embedding: bool = True) -> int:
         n = sum(p.numel() for p in self.parameters())

@@ -23,7 +23,16 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-__all__ = ["KEPT", "context", "kept", "policy", "traced"]
+__all__ = [
+    "KEPT",
+    "UP_PROJECTIONS",
+    "context",
+    "kept",
+    "lean_context",
+    "lean_policy",
+    "policy",
+    "traced",
+]
 
 ATTENTION = {
     # The forward's one O(T^2) op: recomputing it would repeat the costliest kernel of the
@@ -63,6 +72,16 @@ MATMULS = {
 KEPT = ATTENTION | MATMULS
 """The ops whose outputs selective checkpointing keeps from the forward ('namespace::name',
 every overload); every other op of a block is recomputed in the backward."""
+
+UP_PROJECTIONS = {
+    # The MLP's up projections with their activation in the epilogue: the largest outputs a
+    # block keeps (at 8B, quack's SwiGLU pre-activations are 448 MiB of a block's 736).
+    "quack::gemm_gated_out",
+    "quack::gemm_act_out",
+    "pytrain::gelu_up",
+}
+"""What the lean blocks (ac_lean_blocks) recompute too: one GEMM more in their backward for
+the memory of its output."""
 
 COLLECTIVES = ("_c10d_functional", "c10d_functional")
 """Namespaces whose every op's output is kept, so that a recompute never communicates again
@@ -118,10 +137,22 @@ def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if kept(op) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def lean_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """policy, but the MLP's up projection (UP_PROJECTIONS) is recomputed too."""
+    if _name(op) in UP_PROJECTIONS:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    return policy(ctx, op, *args, **kwargs)
+
+
 def context():
     """`torch.utils.checkpoint.checkpoint`'s context_fn: a fresh pair of contexts for each
     checkpointed call."""
     return create_selective_checkpoint_contexts(policy)
+
+
+def lean_context():
+    """context() for a lean block: its up projection recomputed as well (lean_policy)."""
+    return create_selective_checkpoint_contexts(lean_policy)
 
 
 class _InPlaceWarning(logging.Filter):

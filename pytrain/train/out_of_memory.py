@@ -87,6 +87,9 @@ def line(e: BaseException, cfg, step: int | None) -> str:
             fixes.append(
                 f"--activation_checkpointing {more} (now {ac}; blocks recompute their activations)"
             )
+        if ac == "selective" and cfg.ac_lean_blocks < cfg.model.n_layer:
+            fixes.append(f"a larger --ac_lean_blocks (now {cfg.ac_lean_blocks}; those blocks "
+                         "recompute their MLP's up projection too)")  # fmt: skip
         if d.batch_size == 1:
             fixes.append(f"a shorter --data.seq_len (now {d.seq_len})")
         if which == "GPU" and not env_guards.expandable_in_force():  # fragmentation

@@ -120,7 +120,7 @@ class Trainer:
         vocab = self.loader.dataset.vocab_size or 0  # from the manifest, via the extension
         self.gpt = initial_weights.build(cfg, vocab, self.say, self.device)
         self.ckpt_every = checkpoint_every(cfg.activation_checkpointing)
-        self.gpt.set_activation_checkpointing(cfg.activation_checkpointing)
+        self.gpt.set_activation_checkpointing(cfg.activation_checkpointing, cfg.ac_lean_blocks)
         self.loss_module = LossModule(self.gpt)
         masters = keeps_masters(cfg.optim, self.device, self.precision.dtype, sharded=False)
         state = parallel.state_bytes(self.gpt, masters, cfg.optim.state_dtype)
