@@ -81,7 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     for key, _, t in flatten(TrainConfig):
         base, extra = base_type(t)
         doc = docs.get(key, "")
-        kw: dict = {"dest": key, "default": argparse.SUPPRESS, "help": doc or " "}
+        # argparse formats help with %: a docstring's own "%" would read as a format
+        help_text = (doc or " ").replace("%", "%%")
+        kw: dict = {"dest": key, "default": argparse.SUPPRESS, "help": help_text}
         if base is bool:
             names = [f"--{key}"] + [f"--{a}" for a, k in ALIASES.items() if k == key]
             p.add_argument(*names, action=_BoolAction, **kw)
