@@ -124,10 +124,6 @@ def check_choices(cfg: TrainConfig) -> None:
             f"leaner: it needs --activation_checkpointing {SELECTIVE} (now "
             f"{cfg.activation_checkpointing})"
         )
-    if cfg.ac_lean_blocks > cfg.model.n_layer:
-        raise ConfigError(
-            f"ac_lean_blocks is {cfg.ac_lean_blocks}; the model has {cfg.model.n_layer} blocks"
-        )
     if not 0 < cfg.optim.decay_frac <= 1:
         raise ConfigError(f"optim.decay_frac is {cfg.optim.decay_frac}; expected 0 < it <= 1")
     try:

@@ -119,7 +119,8 @@ class TrainConfig:
     """Under 'selective', how many blocks (the first) also recompute their MLP's up
     projection (quack's SwiGLU GEMM, the fused GELU's) instead of keeping its output: at 8B,
     448 MiB less a block for one GEMM more in its backward (about 0.4% of the step).
-    Needs activation_checkpointing 'selective'; at most the model's layers."""
+    Needs activation_checkpointing 'selective'; as many as the model's blocks or more:
+    every block (--init_from may bring a shape other than the preset's)."""
     fsdp: bool | None = None
     """Under torchrun: shard parameters, gradients and optimizer state with FSDP2 (--fsdp),
     replicate the model on every rank (--no-fsdp), or unset (auto): FSDP2 where the training
