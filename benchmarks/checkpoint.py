@@ -270,6 +270,7 @@ def _rank_figures(args, cfg, info, device: torch.device, work: Path) -> dict:
         if i == args.saves:
             probe = _probe(gpt, opt)  # what the last save holds
         _sync(device.type)
+        dist.barrier()  # in lockstep, as training's collectives keep the ranks
         t0 = time.perf_counter()
         path = writer.submit(work, i, gpt, opt, {"step": i}, info.is_main, dist.barrier, keep=1)
         held = time.perf_counter() - t0

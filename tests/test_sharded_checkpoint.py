@@ -247,3 +247,18 @@ def test_the_host_buffer_is_registered_in_pieces_that_split_no_tensor():
     for k, t in tensors["a"].items():
         assert torch.equal(copies["a"][k], t)
     assert torch.equal(copies["b"], tensors["b"])
+
+
+def test_the_writers_gloo_group_is_made_with_it_where_a_process_group_is_up(tmp_path):
+    """The background writer's gloo group (DCP's collectives) is made when the writer is,
+    at set-up where every rank is in step, not at the first save; without a process group
+    (one process) there is none to make until a save."""
+    import torch.distributed as dist
+
+    assert sharded_checkpoint.ShardedWriter()._group is None
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        group = sharded_checkpoint.ShardedWriter()._group
+        assert group is not None and dist.get_backend(group) == "gloo"
+    finally:
+        dist.destroy_process_group()

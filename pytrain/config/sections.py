@@ -134,8 +134,9 @@ class TrainConfig:
     fsdp_hold_weights: bool = False
     """Under FSDP2, keep each unit's gathered bf16 weights from an optimizer step's first
     forward to its last backward: one all-gather a unit a step, instead of two a
-    micro-batch (the forward's and the backward's), as FSDP1's SHARD_GRAD_OP did. Costs the
-    whole model in bf16 on every GPU (2.5 GB at 1B; at 8B, 16 GB: not for it). Gradients
+    micro-batch (the forward's and the backward's), as FSDP1's SHARD_GRAD_OP did. Holds the
+    whole model in bf16 on every GPU (2.5 GB at 1B, whose peak it did not raise; at 8B, 16
+    GB: not for it). Gradients
     are still reduce-scattered every micro-batch. Ignored where the plan is not FSDP2."""
     dist_timeout_s: float = 120.0
     """Under torchrun, how long a collective waits for the other ranks once training runs

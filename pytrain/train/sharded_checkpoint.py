@@ -293,14 +293,17 @@ class ShardedWriter(checkpoint.BackgroundWrite):
     def __init__(self, model=None, optimizer=None) -> None:
         super().__init__()
         self._state = (model, optimizer)  # whose host memory is made ahead (None: at a save)
-        self._group: Any = None  # the gloo group of DCP's collectives, made at the first save
+        # The gloo group of DCP's collectives. Made here where the process group is up (every
+        # rank makes its writer at the same point of its set-up), else at the first save,
+        # which then waits for every rank to have reached it, in the loop's time.
+        self._group: Any = _gloo_group()
         self._host: HostCopies | None = None
         self._making: checkpoint.BackgroundWrite | None = None  # making self._host ahead
         self._stream: Any = None  # the copies' CUDA stream
         self._copied: Any = None  # the event the next update waits for
         self.phases: dict[str, float] = {}
         """Seconds the last `submit` held the loop, by phase: `previous` (the write before
-        it, and the gloo group at the first save), `state_dict` (get_state_dict), `start`
+        it, and the gloo group where it was not made with the writer), `state_dict` (get_state_dict), `start`
         (a barrier, the temporary directory), `host_memory` (waiting for the host memory
         made ahead, or making it), `copy` (queuing the copies into it)."""
 
@@ -351,10 +354,8 @@ class ShardedWriter(checkpoint.BackgroundWrite):
                barrier, keep: int) -> Path:  # fmt: skip
         clock = [time.perf_counter()]  # the start, then each phase's end (self.phases)
         self.wait()  # one write at a time: the host memory is about to be reused
-        import torch.distributed as dist
-
         if self._group is None:  # every rank saves at the same step: a collective is safe here
-            self._group = dist.new_group(backend="gloo")
+            self._group = _gloo_group()
         clock.append(time.perf_counter())
         tensors, extra = _prepare(model, optimizer, rest)
         clock.append(time.perf_counter())
@@ -397,6 +398,16 @@ class ShardedWriter(checkpoint.BackgroundWrite):
 
         self.start(finish, "dcp-writer")
         return final
+
+
+def _gloo_group() -> Any:
+    """A new gloo group of every rank (a collective: each rank calls it at the same point),
+    or None where no process group is up."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.new_group(backend="gloo")
 
 
 def _prepare(model, optimizer, rest: dict) -> tuple[dict, dict]:
