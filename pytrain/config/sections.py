@@ -98,6 +98,8 @@ class TrainConfig:
     eval_batches: int = 10
     log_every: int = 10
     ckpt_every: int = 60
+    """A checkpoint every this many steps; 0: none but the one at the run's end, which is
+    always written (at a stop too: resume, pytrain.eval and export read it)."""
     keep_ckpts: int = 3
     """The newest checkpoints kept in the run directory; 0 keeps every one."""
     ckpt_async: bool = True
