@@ -178,7 +178,8 @@ def test_mixture_flags_toml_tables_and_help(tmp_path):
         parse_args(["--data.stages", "x:web=1"]).data.stage_list()
     text = build_parser().format_help()
     assert "NAME=PATH:WEIGHT" in text and "STEP:NAME=W" in text
-    assert "about 0.6% of the tokens/s a block" in " ".join(text.split())  # a docstring's "%" as written
+    # A docstring's "%" as written (argparse formats help with %).
+    assert "about 0.6% of the tokens/s a block" in " ".join(text.split())
 
 
 @pytest.mark.parametrize("world, accum", [(1, 16), (2, 8), (8, 2), (16, 1), (32, 1), (3, 5)])

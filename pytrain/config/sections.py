@@ -139,8 +139,8 @@ class TrainConfig:
     forward to its last backward: one all-gather a unit a step, instead of two a
     micro-batch (the forward's and the backward's), as FSDP1's SHARD_GRAD_OP did. Holds the
     whole model in bf16 on every GPU (2.5 GB at 1B, whose peak it did not raise; at 8B, 16
-    GB: not for it). Gradients
-    are still reduce-scattered every micro-batch. Ignored where the plan is not FSDP2."""
+    GB: not for it). Gradients are still reduce-scattered every micro-batch. Ignored where
+    the plan is not FSDP2."""
     dist_timeout_s: float = 120.0
     """Under torchrun, how long a collective waits for the other ranks once training runs
     (after the compile warm-up): a rank that died or hangs ends the job within this, not

@@ -303,9 +303,10 @@ class ShardedWriter(checkpoint.BackgroundWrite):
         self._copied: Any = None  # the event the next update waits for
         self.phases: dict[str, float] = {}
         """Seconds the last `submit` held the loop, by phase: `previous` (the write before
-        it, and the gloo group where it was not made with the writer), `state_dict` (get_state_dict), `start`
-        (a barrier, the temporary directory), `host_memory` (waiting for the host memory
-        made ahead, or making it), `copy` (queuing the copies into it)."""
+        it, and the gloo group where it was not made with the writer), `state_dict`
+        (get_state_dict), `start` (a barrier, the temporary directory), `host_memory`
+        (waiting for the host memory made ahead, or making it), `copy` (queuing the copies
+        into it)."""
 
     def before_update(self) -> None:
         """Called before each optimizer update: the device waits for the last save's copies
