@@ -581,8 +581,9 @@ def test_compact_adamws_compiled_update_is_sized_for_large_shards():
     with inductor_config.patch(fx_graph_cache=False):
         _, codes = run_and_get_code(compiled, *args)
     hints = [int(h) for code in codes for h in re.findall(r"size_hints=\{'x': (\d+)\}", code)]
-    assert hints, codes
-    assert min(hints) >= 128 * 1024, hints
+    sized = [h for h in hints if h > 1]  # the step count's update is a kernel of one element
+    assert sized, codes
+    assert min(sized) >= 128 * 1024, hints
     torch._dynamo.reset()
 
 
