@@ -325,11 +325,12 @@ class GPT(nn.Module):
         (pytrain.model.selective_ac), but the first `lean` blocks recompute their MLP's up
         projection too (ac_lean_blocks)."""
         stride = checkpoint_every(every) if isinstance(every, str) else every
-        options = {"context_fn": selective_ac.context} if every == SELECTIVE else {}
+        selective = every == SELECTIVE
+        options = {"context_fn": selective_ac.context} if selective else {}
         lean_options = {"context_fn": selective_ac.lean_context}
         blocks: list[Block] = list(self.blocks)  # type: ignore[arg-type]  # ModuleList's items
         for i, block in enumerate(blocks):
-            chosen = lean_options if options and i < lean else options
+            chosen = lean_options if selective and i < lean else options
             block.recompute = chosen if stride and i % stride == 0 else None
 
     def num_params(self, non_embedding: bool = True) -> int:
