@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pytrain.optim import compact_adamw
-from pytrain.optim.compact_adamw import CompactAdamW, adamw_update
+from pytrain.optim.compact_adamw import CHUNK, CompactAdamW, adamw_updates, chunks
 
 
 def model_and_grads(seed=0):
@@ -166,45 +166,86 @@ def test_a_float8_all_gathered_weight_is_updated_in_its_fp32_tensor():
     assert type(local) is torch.Tensor and local.data_ptr() == wrapped._tensor.data_ptr()
 
 
-@pytest.mark.slow  # Inductor compiles a C++ kernel
-def test_the_compiled_update_equals_the_eager_one_at_any_size():
-    """Compiled once on the scratch arguments CompactAdamW compiles with when it is made,
-    the update takes every later size without a graph more, and equals the eager one."""
-    from pytrain.train.compile_policy import compiled_graphs
-
-    compiled = torch.compile(adamw_update, dynamic=True, fullgraph=True)
-    compiled(*compact_adamw.scratch_args(torch.device("cpu"), torch.bfloat16))
-    graphs = compiled_graphs()
+@pytest.mark.slow  # Inductor compiles C++ kernels
+def test_the_compiled_update_of_a_group_equals_the_eager_one():
+    """The update of a group's tensors in one compiled call (each its own size) equals the
+    eager update, a skipped step included."""
+    compiled = torch.compile(adamw_updates, dynamic=False, fullgraph=True)
     hyper = torch.tensor([1e-2, 0.1, 0.9, 0.95, 1e-8])
-    for n, skip in ((1000, 0.0), (37, 0.0), (4096, 1.0)):
-        torch.manual_seed(n)
-        p, g = torch.randn(n), torch.randn(n)
-        m, v = (0.1 * torch.randn(n)).bfloat16(), (0.1 * torch.rand(n)).bfloat16()
-        step = torch.tensor(3.0)
-        args = (p, g, m, v, step)
-        mine = [a.clone() for a in args]
-        adamw_update(*args, hyper, torch.tensor(2.0), torch.tensor(skip))
+    sizes = (1000, 37, 4096)
+    for skip in (0.0, 1.0):
+        torch.manual_seed(int(skip))
+        args = [
+            [torch.randn(n) for n in sizes],
+            [torch.randn(n) for n in sizes],
+            [(0.1 * torch.randn(n)).bfloat16() for n in sizes],
+            [(0.1 * torch.rand(n)).bfloat16() for n in sizes],
+            [torch.tensor(3.0) for _ in sizes],
+        ]
+        mine = [[t.clone() for t in ts] for ts in args]
+        before = [t.clone() for t in args[0]]
+        adamw_updates(*args, hyper, torch.tensor(2.0), torch.tensor(skip))
         compiled(*mine, hyper, torch.tensor(2.0), torch.tensor(skip))
-        for a, b in zip(args, mine, strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
-        assert float(step) == (3.0 if skip else 4.0)
-    assert compiled_graphs() == graphs
+        for ts, us in zip(args, mine, strict=True):
+            for a, b in zip(ts, us, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        assert [float(t) for t in args[4]] == [3.0 if skip else 4.0] * len(sizes)
+        assert all(torch.equal(a, b) for a, b in zip(args[0], before, strict=True)) == bool(skip)
 
 
-def test_its_steps_make_no_graph_after_the_one_compiled_when_it_is_made(monkeypatch):
+def test_chunks_hold_tensors_of_one_size_sixteen_at_most():
+    sizes = [5, 7, 5, *[9] * 40, 7, 1]
+    got = chunks(sizes)
+    assert sorted(i for c in got for i in c) == list(range(len(sizes)))  # each once
+    assert all(len({sizes[i] for i in c}) == 1 for c in got)
+    assert [len(c) for c in got] == [2, 2, CHUNK, CHUNK, 40 - 2 * CHUNK, 1]
+    assert chunks([]) == []
+
+
+def test_a_call_a_chunk_and_its_steps_make_no_graph_after_those_made_with_it(monkeypatch):
     """The update as step() calls it (under no_grad, on views of parameters that require
-    grad) meets the guards of the graph compiled on scratch tensors when the optimizer is
-    made: a graph more would read as a recompile after the trainer's warm-up. Dynamo's
-    guards, not Inductor's code, decide this, so the eager backend stands in for CUDA's."""
+    grad) meets the guards of the graphs compiled when the optimizer is made: a graph more
+    would read as a recompile after the trainer's warm-up. Each chunk of tensors of one
+    size is one call at every step (one a tensor held the device waiting on the host).
+    Dynamo's guards, not Inductor's code, decide this, so the eager backend stands in for
+    CUDA's."""
     from pytrain.train.compile_policy import compiled_graphs
 
     torch._dynamo.reset()
-    compiled = torch.compile(adamw_update, dynamic=True, fullgraph=True, backend="eager")
-    monkeypatch.setattr(compact_adamw, "_update_fn", lambda device: compiled)
+    compiled = torch.compile(adamw_updates, dynamic=False, fullgraph=True, backend="eager")
+    calls: list[int] = []
+
+    def counted(*args):
+        calls.append(len(args[0]))
+        return compiled(*args)
+
+    monkeypatch.setattr(compact_adamw, "_update_fn", lambda device: counted)
     for dtype in (torch.float32, torch.bfloat16):
         model, grads = model_and_grads()
+        first = [p.detach().clone() for p in model.parameters()]
         opt = CompactAdamW(groups(model), lr=1e-2, betas=(0.9, 0.95), state_dtype=dtype)
+        # Compiling changed nothing: the weights, the moments and the step counts.
+        assert all(torch.equal(a, b) for a, b in zip(first, model.parameters(), strict=True))
+        assert all(
+            float(st["step"]) == 0.0 and not st["exp_avg"].any() for st in opt.state.values()
+        )
         graphs = compiled_graphs()
         run(opt, model, grads, scales=[1.0, 2.0, 1.0, 1.0, 1.0], skips=[0, 0, 1, 0, 0])
         assert compiled_graphs() == graphs, dtype
         assert float(opt.state[next(model.parameters())]["step"]) == 4.0
+        # weights of 240 and 80; biases and the norm's two vectors of 20, a bias of 4
+        assert calls == [1, 1, 3, 1] * 6, calls  # when made, then at each of the 5 steps
+        calls.clear()
+
+
+def test_the_8b_presets_shards_over_4_ranks_are_14_calls_of_7_graphs():
+    """CHUNK's arithmetic for the 8B (its docstring), from the preset's own model on the meta
+    device, split as FSDP2 splits it (benchmarks/optimizer.py, which times this step)."""
+    from conftest import ROOT, load_script
+
+    bench = load_script("benchmarks/optimizer.py", "optimizer_bench")
+    sizes = bench.shard_sizes(ROOT / "configs/llama-8b.toml", 4)
+    assert len(sizes) == 195 and sum(sizes) == 8_030_261_248 // 4
+    got = chunks(sizes)
+    assert len(got) == 14
+    assert len({(len(c), sizes[c[0]]) for c in got}) == 7

@@ -9,8 +9,9 @@ trains with bf16 moments so); parameters and gradients stay fp32.
 
 torch's fused AdamW needs the moments in the parameters' dtype, so the update is a function
 of its own: the same arithmetic as torch.optim.AdamW (decoupled weight decay, bias-corrected
-moments), one call per parameter on its local tensors (a shard's, under FSDP2), compiled on
-CUDA into one kernel that reads and writes each tensor once (one graph for every size). It
+moments) on each parameter's local tensors (a shard's, under FSDP2), compiled on CUDA into
+one kernel a tensor that reads and writes it once, a call for each chunk of tensors of one
+size (CHUNK). It
 takes the fused AdamW's two attributes, so the trainer's step is the same for both
 (pytrain.optim.adamw.fused_step): `grad_scale` (the gradients are divided by it: clipping)
 and `found_inf` (where it is 1, weights, moments and step counts are left alone: the
@@ -27,7 +28,7 @@ import itertools
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-__all__ = ["CompactAdamW", "adamw_update", "scratch_args"]
+__all__ = ["CHUNK", "CompactAdamW", "adamw_update", "adamw_updates", "chunks"]
 
 
 def adamw_update(
@@ -59,39 +60,58 @@ def adamw_update(
     step.copy_(t)
 
 
+def adamw_updates(
+    ps: list[torch.Tensor],
+    gs: list[torch.Tensor],
+    ms: list[torch.Tensor],
+    vs: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    hyper: torch.Tensor,
+    scale: torch.Tensor,
+    skip: torch.Tensor,
+) -> None:
+    """adamw_update for each tensor of a chunk (see CHUNK), in one call."""
+    for i in range(len(ps)):
+        adamw_update(ps[i], gs[i], ms[i], vs[i], steps[i], hyper, scale, skip)
+
+
+CHUNK = 16
+"""Tensors of one size that one compiled call updates. One call a tensor went through
+Dynamo's guards and wrappers each time, about 180 us of host time: 291 tensors of the 8B's
+shards over 4 GPUs took 54 ms on the host a step against 21 on the device, which waited
+for it (benchmarks/optimizer.py). One call for a whole group is one graph of every tensor,
+whose compiling grows with their number (over a minute at 291). Chunks of one size are few
+graphs, each reused: a graph for each (length, size) met, a layer's matrices sharing theirs
+across the layers (the 8B's 195 parameters: the two embedding matrices, two chunks of each
+of the 4 matrices of its 32 blocks, 5 of the 65 norms: 14 calls a step, 7 graphs)."""
+
+
+def chunks(sizes: list[int]) -> list[list[int]]:
+    """The indices of `sizes` in chunks of at most CHUNK, each of one size; in the order
+    sizes first appear."""
+    by_size: dict[int, list[int]] = {}
+    for i, n in enumerate(sizes):
+        by_size.setdefault(n, []).append(i)
+    return [idx[k : k + CHUNK] for idx in by_size.values() for k in range(0, len(idx), CHUNK)]
+
+
 _compiled = None
 
 
 def _update_fn(device: torch.device):
-    """adamw_update, compiled on CUDA (one graph for any size: dynamic shapes); as it is
-    elsewhere."""
+    """adamw_updates, compiled on CUDA, for static shapes: Inductor sizes each kernel for
+    its tensor."""
     global _compiled
     if device.type != "cuda":
-        return adamw_update
+        return adamw_updates
     if _compiled is None:
-        _compiled = torch.compile(adamw_update, dynamic=True, fullgraph=True)
+        _compiled = torch.compile(adamw_updates, dynamic=False, fullgraph=True)
     return _compiled
 
 
-SCRATCH_NUMEL = 1 << 20
-"""The scratch arguments' length. Inductor sizes the compiled kernel's blocks by the sizes it
-was compiled at (their hints, under dynamic shapes), and keeps them for every later size: a
-block is capped at that length, and reaches 1024 elements from 128 x 1024 on. Compiled on 16
-elements, its blocks were capped at 16: 76 ms a step for the 8B's 2.0B-parameter shards (4
-H100s; 40 GB read and written, a sixth of HBM's bandwidth), where torch's fused AdamW over
-fp32 moments took 25 (tests/test_gpu.py checks the compiled kernel's hint)."""
-
-
-def scratch_args(device: torch.device, state_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """Arguments for adamw_update that compile the graph every step then reuses:
-    SCRATCH_NUMEL elements (12 MB, freed once compiled), each argument a tensor of its own,
-    as at a step (Dynamo guards on which arguments alias)."""
-    p, g = (torch.zeros(SCRATCH_NUMEL, device=device) for _ in range(2))
-    m, v = (torch.zeros(SCRATCH_NUMEL, dtype=state_dtype, device=device) for _ in range(2))
-    step, scale, skip = (torch.zeros((), device=device), torch.ones((), device=device),
-                         torch.zeros((), device=device))  # fmt: skip
-    hyper = torch.tensor([0.0, 0.0, 0.9, 0.95, 1e-8], device=device)
-    return p, g, m, v, step, hyper, scale, skip
+def _sizes(params: list) -> list[int]:
+    """Each parameter's local length (its shard's)."""
+    return [_local(p).numel() for p in params]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -99,7 +119,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     float8 all-gather wraps each weight's shard in a subclass around the fp32 tensor
     (`_tensor`), which is the one to update (the compiled update takes plain tensors).
     Detached: a parameter's view still requires grad under no_grad, and Dynamo guards on
-    that (the scratch tensors the update is compiled on do not)."""
+    that (the update is compiled on these views, at step() as when it was made)."""
     local = t.to_local() if hasattr(t, "to_local") else t
     inner = getattr(local, "_tensor", None)
     if is_traceable_wrapper_subclass(local) and isinstance(inner, torch.Tensor):
@@ -139,13 +159,46 @@ class CompactAdamW(torch.optim.Optimizer):
         self._hyper: dict[int, tuple[tuple[float, ...], torch.Tensor]] = {}
         first = next((p for g in self.param_groups for p in g["params"]), None)
         self.device = torch.device("cpu") if first is None else _local(first).device
-        # The update is compiled here, on scratch tensors, rather than at the first step:
-        # the trainer counts the graphs its warm-up made, and one made later reads as a
-        # recompile. Under no_grad, as step() calls it: Dynamo guards on the grad mode.
+        # The update is compiled here rather than at the first step: the trainer counts the
+        # graphs its warm-up made, and one made later reads as a recompile.
+        if _update_fn(self.device) is not adamw_updates:
+            self._compile()
+
+    def _compile(self) -> None:
+        """Compiles the update of each chunk on its own tensors, with a skip: nothing
+        changes. Zeros stand in for the gradients (a group's fp32 parameters' worth of
+        memory for a moment, before training allocates anything, handed back to the driver
+        after). Under no_grad, as step() calls it: Dynamo guards on the grad mode, and on
+        which arguments are one tensor (the scale and the skip are two)."""
+        from pytrain.train.compile_policy import ensure_graph_room
+
+        sizes = {(len(c), _local(g["params"][c[0]]).numel())
+                 for g in self.param_groups for c in chunks(_sizes(g["params"]))}  # fmt: skip
+        ensure_graph_room(len(sizes))
+        scale, skip = (torch.ones((), device=self.device) for _ in range(2))
+        with torch.no_grad():
+            for i, group in enumerate(self.param_groups):
+                zeros = [torch.zeros_like(_local(p)) for p in group["params"]]
+                self._update(i, group, group["params"], zeros, scale, skip)
+                del zeros
+        torch.cuda.empty_cache()
+
+    def _update(self, i: int, group: dict, params: list, grads: list, scale, skip) -> None:
+        """Updates group i's `params` (with these gradients), a compiled call a chunk."""
         update = _update_fn(self.device)
-        if update is not adamw_update:
-            with torch.no_grad():
-                update(*scratch_args(self.device, state_dtype))
+        hyper = self._hyper_of(i, group)
+        for c in chunks(_sizes(params)):
+            states = [self.state[params[j]] for j in c]
+            update(
+                [_local(params[j]) for j in c],
+                [_local(grads[j]) for j in c],
+                [_local(st["exp_avg"]) for st in states],
+                [_local(st["exp_avg_sq"]) for st in states],
+                [st["step"] for st in states],
+                hyper,
+                scale,
+                skip,
+            )
 
     def _hyper_of(self, i: int, group: dict) -> torch.Tensor:
         """Group i's lr, weight decay, betas and eps on the device. A copy from the host
@@ -189,17 +242,13 @@ class CompactAdamW(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("CompactAdamW takes no closure")
         device = self.device
-        update = _update_fn(device)
         scale = torch.ones((), device=device) if self.grad_scale is None else self.grad_scale
         skip = torch.zeros((), device=device) if self.found_inf is None else self.found_inf
         scale, skip = scale.float(), skip.float()
         for i, group in enumerate(self.param_groups):
+            # Where some parameters have no gradient, their chunks may be other graphs
+            # (compiled then): a model whose parameters all learn has none.
             params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            hyper = self._hyper_of(i, group)
-            for p in params:
-                st = self.state[p]
-                update(_local(p), _local(p.grad), _local(st["exp_avg"]),
-                       _local(st["exp_avg_sq"]), st["step"], hyper, scale, skip)  # fmt: skip
+            if params:
+                self._update(i, group, params, [p.grad for p in params], scale, skip)
         return None
