@@ -1,15 +1,17 @@
 """The optimizer's step alone, on one GPU, over one rank's shards of a model under FSDP2:
-torch's fused AdamW (fp32 moments) against CompactAdamW (bf16 moments), as the trainer
-calls them (pytrain.optim.adamw.fused_step: clipping scale and skip on the device).
+torch's fused AdamW (fp32 moments) against CompactAdamW (bf16 moments) as shipped and with
+a compiled call a tensor (CHUNK 1, as it was), as the trainer calls them
+(pytrain.optim.adamw.fused_step: clipping scale and skip on the device).
 
     python benchmarks/optimizer.py                       # the 8B preset's shards of 4 GPUs
     python benchmarks/optimizer.py --preset configs/llama-1b.toml --shards 2
 
 Each parameter is a plain fp32 tensor of its shard's length (FSDP2 splits dim 0 over the
-ranks), with a random gradient. Prints the step's device time (CUDA events around it; the
-step's kernels only) and its host time (the launches: where the host is slower, the device
+ranks), with a random gradient. Prints the step's device time (CUDA events around it: its
+kernels, and the device's waits for the host to launch them) and its host time (the launches: where the host is slower, the device
 waits for it), medians over --steps after a warm-up, and the bytes a step moves at HBM
-speed, against which both are compared."""
+speed, against which both are compared; and the seconds the optimizer took to be made (its
+compiling, cold unless TORCHINDUCTOR_CACHE_DIR holds it)."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from benchmarks.harness import machine_line, markdown_table  # noqa: E402
+from pytrain.optim import compact_adamw  # noqa: E402
 from pytrain.optim.adamw import fused_step  # noqa: E402
 from pytrain.optim.compact_adamw import CompactAdamW  # noqa: E402
 
@@ -75,19 +78,29 @@ def main() -> None:
     n = sum(sizes)
     print(f"{machine_line()}\n{args.preset.name} over {args.shards}: {len(sizes)} tensors, "
           f"{n / 1e9:.2f}B parameters a rank")  # fmt: skip
+
     # read p, g, m, v and write p, m, v: bytes a parameter for each moment dtype
+    def compact(ps):
+        return CompactAdamW(ps, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
+                            state_dtype=torch.bfloat16)  # fmt: skip
+
     runs = [
-        ("torch fused AdamW, fp32 moments", 28, lambda ps: torch.optim.AdamW(
+        ("torch fused AdamW, fp32 moments", 28, None, lambda ps: torch.optim.AdamW(
             ps, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)),
-        ("CompactAdamW, bf16 moments", 20, lambda ps: CompactAdamW(
-            ps, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, state_dtype=torch.bfloat16)),
+        (f"CompactAdamW, bf16 moments (chunks of {compact_adamw.CHUNK})", 20, None, compact),
+        ("CompactAdamW, bf16 moments, a call a tensor (chunks of 1)", 20, 1, compact),
     ]  # fmt: skip
     rows = []
-    for name, nbytes, make in runs:
+    shipped_chunk = compact_adamw.CHUNK
+    for name, nbytes, chunk, make in runs:
+        compact_adamw.CHUNK = chunk or compact_adamw.CHUNK
+        torch._dynamo.reset()
         params = [torch.nn.Parameter(torch.randn(s, device="cuda") * 0.02) for s in sizes]
         for p in params:
             p.grad = torch.randn_like(p) * 1e-3
-        opt = make(params)
+        t0 = time.perf_counter()
+        opt = make(params)  # CompactAdamW compiles its update here
+        made_s = time.perf_counter() - t0
         if isinstance(opt, torch.optim.AdamW):
             for p in params:  # the state, made before timing as CompactAdamW makes it
                 opt.state[p] = {"step": torch.zeros((), device="cuda"),
@@ -98,15 +111,16 @@ def main() -> None:
                 time_steps(opt, params, 1)
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8))
         floor = n * nbytes / 3.35e12 * 1e3  # H100 SXM's HBM3
-        rows.append([name, f"{dev_ms:.1f}", f"{host_ms:.1f}", f"{floor:.1f}",
+        rows.append([name, f"{dev_ms:.1f}", f"{host_ms:.1f}", f"{floor:.1f}", f"{made_s:.1f}",
                      f"{torch.cuda.max_memory_allocated() / 2**30:.1f}"])  # fmt: skip
         print(name, rows[-1][1:], flush=True)
         del params, opt
+        compact_adamw.CHUNK = shipped_chunk
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     print()
     print(markdown_table(["optimizer", "device ms a step", "host ms a step",
-                          "HBM floor ms (3.35 TB/s)", "peak GiB"], rows))  # fmt: skip
+                          "HBM floor ms (3.35 TB/s)", "made in s", "peak GiB"], rows))  # fmt: skip
 
 
 if __name__ == "__main__":

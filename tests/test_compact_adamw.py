@@ -238,6 +238,33 @@ def test_a_call_a_chunk_and_its_steps_make_no_graph_after_those_made_with_it(mon
         calls.clear()
 
 
+def test_more_chunk_shapes_than_dynamos_default_of_8_graphs_all_stay_compiled(monkeypatch):
+    """Each (length, size, moments' dtype) is a graph of one function, which Dynamo caps at
+    8 by default and then runs uncompiled, silently: the optimizer makes room for them."""
+    import torch._dynamo.config as dynamo_config
+
+    from pytrain.train.compile_policy import compiled_graphs
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(dynamo_config, "recompile_limit", 8)
+    monkeypatch.setattr(compact_adamw, "_signatures", set())
+    compiled = torch.compile(adamw_updates, dynamic=False, fullgraph=True, backend="eager")
+    monkeypatch.setattr(compact_adamw, "_update_fn", lambda device: compiled)
+    params = [torch.nn.Parameter(torch.randn(n)) for n in range(3, 9)]  # six sizes
+    graphs = compiled_graphs()
+    opts = [
+        CompactAdamW(params, lr=1e-2, state_dtype=dtype)
+        for dtype in (torch.bfloat16, torch.float32)
+    ]
+    assert compiled_graphs() == graphs + 12
+    for opt in opts:
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+    assert compiled_graphs() == graphs + 12  # every step met a graph compiled when made
+    assert all(float(opts[1].state[p]["step"]) == 1.0 for p in params)
+
+
 def test_the_8b_presets_shards_over_4_ranks_are_14_calls_of_7_graphs():
     """CHUNK's arithmetic for the 8B (its docstring), from the preset's own model on the meta
     device, split as FSDP2 splits it (benchmarks/optimizer.py, which times this step)."""

@@ -96,6 +96,10 @@ def chunks(sizes: list[int]) -> list[list[int]]:
 
 
 _compiled = None
+_signatures: set[tuple[int, int, torch.dtype]] = set()
+"""The (length, size, moments' dtype) of every chunk compiled in this process: a graph each,
+all of one function, whose graphs Dynamo caps (8 by default; past that it runs the function
+uncompiled)."""
 
 
 def _update_fn(device: torch.device):
@@ -172,9 +176,9 @@ class CompactAdamW(torch.optim.Optimizer):
         which arguments are one tensor (the scale and the skip are two)."""
         from pytrain.train.compile_policy import ensure_graph_room
 
-        sizes = {(len(c), _local(g["params"][c[0]]).numel())
-                 for g in self.param_groups for c in chunks(_sizes(g["params"]))}  # fmt: skip
-        ensure_graph_room(len(sizes))
+        _signatures.update((len(c), _local(g["params"][c[0]]).numel(), self.state_dtype)
+                           for g in self.param_groups for c in chunks(_sizes(g["params"])))  # fmt: skip
+        ensure_graph_room(len(_signatures))
         scale, skip = (torch.ones((), device=self.device) for _ in range(2))
         with torch.no_grad():
             for i, group in enumerate(self.param_groups):
