@@ -246,22 +246,21 @@ def test_more_chunk_shapes_than_dynamos_default_of_8_graphs_all_stay_compiled(mo
     from pytrain.train.compile_policy import compiled_graphs
 
     torch._dynamo.reset()
-    monkeypatch.setattr(dynamo_config, "recompile_limit", 8)
     monkeypatch.setattr(compact_adamw, "_signatures", set())
     compiled = torch.compile(adamw_updates, dynamic=False, fullgraph=True, backend="eager")
     monkeypatch.setattr(compact_adamw, "_update_fn", lambda device: compiled)
     params = [torch.nn.Parameter(torch.randn(n)) for n in range(3, 9)]  # six sizes
     graphs = compiled_graphs()
-    opts = [
-        CompactAdamW(params, lr=1e-2, state_dtype=dtype)
-        for dtype in (torch.bfloat16, torch.float32)
-    ]
-    assert compiled_graphs() == graphs + 12
-    for opt in opts:
-        for p in params:
-            p.grad = torch.ones_like(p)
-        opt.step()
-    assert compiled_graphs() == graphs + 12  # every step met a graph compiled when made
+    # A config module's own patch: monkeypatch's undo would delete the setting.
+    with dynamo_config.patch(recompile_limit=8):
+        opts = [CompactAdamW(params, lr=1e-2, state_dtype=dtype)
+                for dtype in (torch.bfloat16, torch.float32)]  # fmt: skip
+        assert compiled_graphs() == graphs + 12
+        for opt in opts:
+            for p in params:
+                p.grad = torch.ones_like(p)
+            opt.step()
+        assert compiled_graphs() == graphs + 12  # every step met a graph compiled when made
     assert all(float(opts[1].state[p]["step"]) == 1.0 for p in params)
 
 
