@@ -11,11 +11,10 @@ torch's fused AdamW needs the moments in the parameters' dtype, so the update is
 of its own: the same arithmetic as torch.optim.AdamW (decoupled weight decay, bias-corrected
 moments) on each parameter's local tensors (a shard's, under FSDP2), compiled on CUDA into
 one kernel a tensor that reads and writes it once, a call for each chunk of tensors of one
-size (CHUNK). It
-takes the fused AdamW's two attributes, so the trainer's step is the same for both
-(pytrain.optim.adamw.fused_step): `grad_scale` (the gradients are divided by it: clipping)
-and `found_inf` (where it is 1, weights, moments and step counts are left alone: the
-guard's skip, decided on the device).
+size (CHUNK). It takes the fused AdamW's two attributes, so the trainer's step is the same
+for both (pytrain.optim.adamw.fused_step): `grad_scale` (the gradients are divided by it:
+clipping) and `found_inf` (where it is 1, weights, moments and step counts are left alone:
+the guard's skip, decided on the device).
 
 Its state is torch's AdamW's (`step`, `exp_avg`, `exp_avg_sq` per parameter), so DCP
 saves and reshards it as it does torch's, and a checkpoint of either optimizer resumes in
