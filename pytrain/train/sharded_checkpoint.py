@@ -408,7 +408,12 @@ def _gloo_group() -> Any:
 
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    return dist.new_group(backend="gloo")
+    group = dist.new_group(backend="gloo")
+    # Every rank has finished connecting before any goes on: a rank that leaves set-up at
+    # once after this (a user error every rank finds alike, found first by one) would
+    # otherwise close its end under a rank still connecting, which dies with a traceback.
+    dist.barrier(group=group)
+    return group
 
 
 def _prepare(model, optimizer, rest: dict) -> tuple[dict, dict]:
