@@ -79,11 +79,11 @@ def main() -> None:
     print(f"{machine_line()}\n{args.preset.name} over {args.shards}: {len(sizes)} tensors, "
           f"{n / 1e9:.2f}B parameters a rank")  # fmt: skip
 
-    # read p, g, m, v and write p, m, v: bytes a parameter for each moment dtype
     def compact(ps):
         return CompactAdamW(ps, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
                             state_dtype=torch.bfloat16)  # fmt: skip
 
+    # (name, bytes a parameter: p, g, m, v read and p, m, v written; CHUNK; the optimizer)
     runs = [
         ("torch fused AdamW, fp32 moments", 28, None, lambda ps: torch.optim.AdamW(
             ps, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)),

@@ -112,11 +112,6 @@ def _update_fn(device: torch.device):
     return _compiled
 
 
-def _sizes(params: list) -> list[int]:
-    """Each parameter's local length (its shard's)."""
-    return [_local(p).numel() for p in params]
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A tensor's local part (its shard under FSDP2), flat, as a plain tensor: torchao's
     float8 all-gather wraps each weight's shard in a subclass around the fp32 tensor
@@ -160,6 +155,8 @@ class CompactAdamW(torch.optim.Optimizer):
                 }
         # Per group: its hyperparameters as last sent to the device, and that tensor.
         self._hyper: dict[int, tuple[tuple[float, ...], torch.Tensor]] = {}
+        # The chunks of each list of parameters updated (by their ids): the same every step.
+        self._chunks: dict[tuple[int, ...], list[list[int]]] = {}
         first = next((p for g in self.param_groups for p in g["params"]), None)
         self.device = torch.device("cpu") if first is None else _local(first).device
         # The update is compiled here rather than at the first step: the trainer counts the
@@ -176,7 +173,7 @@ class CompactAdamW(torch.optim.Optimizer):
         from pytrain.train.compile_policy import ensure_graph_room
 
         _signatures.update((len(c), _local(g["params"][c[0]]).numel(), self.state_dtype)
-                           for g in self.param_groups for c in chunks(_sizes(g["params"])))  # fmt: skip
+                           for g in self.param_groups for c in self._chunks_of(g["params"]))  # fmt: skip
         ensure_graph_room(len(_signatures))
         scale, skip = (torch.ones((), device=self.device) for _ in range(2))
         with torch.no_grad():
@@ -190,7 +187,7 @@ class CompactAdamW(torch.optim.Optimizer):
         """Updates group i's `params` (with these gradients), a compiled call a chunk."""
         update = _update_fn(self.device)
         hyper = self._hyper_of(i, group)
-        for c in chunks(_sizes(params)):
+        for c in self._chunks_of(params):
             states = [self.state[params[j]] for j in c]
             update(
                 [_local(params[j]) for j in c],
@@ -202,6 +199,13 @@ class CompactAdamW(torch.optim.Optimizer):
                 scale,
                 skip,
             )
+
+    def _chunks_of(self, params: list) -> list[list[int]]:
+        """chunks() of these parameters' local lengths, worked out once."""
+        key = tuple(map(id, params))
+        if key not in self._chunks:
+            self._chunks[key] = chunks([_local(p).numel() for p in params])
+        return self._chunks[key]
 
     def _hyper_of(self, i: int, group: dict) -> torch.Tensor:
         """Group i's lr, weight decay, betas and eps on the device. A copy from the host

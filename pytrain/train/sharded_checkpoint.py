@@ -409,6 +409,7 @@ def _gloo_group() -> Any:
     if not (dist.is_available() and dist.is_initialized()):
         return None
     group = dist.new_group(backend="gloo")
+    assert isinstance(group, dist.ProcessGroup)  # every rank is a member: never NON_GROUP_MEMBER
     # Every rank has finished connecting before any goes on: a rank that leaves set-up at
     # once after this (a user error every rank finds alike, found first by one) would
     # otherwise close its end under a rank still connecting, which dies with a traceback.
