@@ -1,6 +1,7 @@
 """The optimizer's step alone, on one GPU, over one rank's shards of a model under FSDP2:
-torch's fused AdamW (fp32 moments) against CompactAdamW (bf16 moments) as shipped and with
-a compiled call a tensor (CHUNK 1, as it was), as the trainer calls them
+torch's fused AdamW (fp32 moments) against CompactAdamW (bf16 moments) as shipped, in chunks
+of 16 and with a compiled call a tensor (CHUNK: host time against compile time), as the
+trainer calls them
 (pytrain.optim.adamw.fused_step: clipping scale and skip on the device).
 
     python benchmarks/optimizer.py                       # the 8B preset's shards of 4 GPUs
@@ -88,6 +89,7 @@ def main() -> None:
         ("torch fused AdamW, fp32 moments", 28, None, lambda ps: torch.optim.AdamW(
             ps, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)),
         (f"CompactAdamW, bf16 moments (chunks of {compact_adamw.CHUNK})", 20, None, compact),
+        ("CompactAdamW, bf16 moments, chunks of 16", 20, 16, compact),
         ("CompactAdamW, bf16 moments, a call a tensor (chunks of 1)", 20, 1, compact),
     ]  # fmt: skip
     rows = []

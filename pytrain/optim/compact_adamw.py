@@ -74,15 +74,16 @@ def adamw_updates(
         adamw_update(ps[i], gs[i], ms[i], vs[i], steps[i], hyper, scale, skip)
 
 
-CHUNK = 16
-"""Tensors of one size that one compiled call updates. One call a tensor went through
-Dynamo's guards and wrappers each time, about 180 us of host time: 291 tensors of the 8B's
-shards over 4 GPUs took 54 ms on the host a step against 21 on the device, which waited
-for it (benchmarks/optimizer.py). One call for a whole group is one graph of every tensor,
-whose compiling grows with their number (over a minute at 291). Chunks of one size are few
-graphs, each reused: a graph for each (length, size) met, a layer's matrices sharing theirs
-across the layers (the 8B's 195 parameters: the two embedding matrices, two chunks of each
-of the 4 matrices of its 32 blocks, 5 of the 65 norms: 14 calls a step, 7 graphs)."""
+CHUNK = 4
+"""Tensors of one size that one compiled call updates. One call a tensor goes through
+Dynamo's guards and wrappers each time, about 100-180 us of host time, for which the device
+can wait; one graph of many tensors takes Inductor about as long again a tensor to compile
+(its scheduler weighs fusions between them), so a chunk is a graph reused across the layers
+(a graph for each (length, size) met). The 8B's shards over 4 GPUs (195 tensors,
+benchmarks/optimizer.py, one H100): a call a tensor 23.8 ms a step, 20.5 of them the
+host's, made in 6 s; chunks of 16: 16.8 ms, 9.4 on the host, made in 79 s. At 4: the two
+embedding matrices, 8 chunks of each of the 4 matrices of its 32 blocks, 17 of the 65
+norms: 50 calls a step, 7 graphs (23 tensors' worth of compiling against 83 at 16)."""
 
 
 def chunks(sizes: list[int]) -> list[list[int]]:
