@@ -3,6 +3,8 @@ the backward, its attention and matmul outputs kept. On CPU: the same loss and g
 without checkpointing, less memory kept for the backward than without it and more than
 'full', the ops the policy keeps, and the setting's words."""
 
+import functools
+
 import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -46,14 +48,23 @@ class KeptBytes(TorchDispatchMode):
         return sum(n for ref, n in self.made.values() if not ref.expired())
 
 
-def run(policy: str, mask: bool = False, **model):
+def run(policy: str, mask: bool = False, lean: int = 0, float8: bool = False, **model):
     """Loss, gradients and bytes kept for the backward of a 2-layer GPT (seed 0, vocabulary
     200, d_model 64) under `policy`, on one batch of 2 x 32 tokens with about a fifth masked
-    out of the loss (seed 1); with `mask`, two documents a row (SDPA with a boolean mask)."""
+    out of the loss (seed 1); with `mask`, two documents a row (SDPA with a boolean mask);
+    `lean` blocks (ac_lean_blocks); with `float8`, the blocks' linear layers torchao's."""
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=200, n_layer=2, n_head=4, d_model=64, **model)
     m = GPT(cfg).train()
-    m.set_activation_checkpointing(policy)
+    if float8:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(
+            m,
+            config=Float8LinearConfig.from_recipe_name("tensorwise"),
+            module_filter_fn=lambda mod, fqn: fqn.startswith("blocks."),
+        )
+    m.set_activation_checkpointing(policy, lean)
     g = torch.Generator().manual_seed(1)
     ids, targets = torch.randint(0, 200, (2, 2, 32), generator=g)
     keep = torch.rand(2, 32, generator=g) > 0.2
@@ -213,11 +224,12 @@ def test_a_lean_block_recomputes_its_up_projection_and_keeps_the_rest(monkeypatc
     op is as under the plain policy."""
     import pytrain.model.fused_gelu  # noqa: F401  (registers pytrain::gelu_up)
 
+    lean_policy = selective_ac.lean_policy(16)
     for op in (aten.mm.default, aten._scaled_mm.default, torch.ops.pytrain.fa4_fwd.default):
-        assert selective_ac.lean_policy(None, op) == selective_ac.policy(None, op)
+        assert lean_policy(None, op) == selective_ac.policy(None, op)
     gelu_up = torch.ops.pytrain.gelu_up.default
     assert selective_ac.policy(None, gelu_up) == CheckpointPolicy.MUST_SAVE
-    assert selective_ac.lean_policy(None, gelu_up) == CheckpointPolicy.PREFER_RECOMPUTE
+    assert lean_policy(None, gelu_up) == CheckpointPolicy.PREFER_RECOMPUTE
 
     name = "pytrain_test::gated_out"
     monkeypatch.setattr(selective_ac, "KEPT", selective_ac.KEPT | {name})
@@ -229,7 +241,7 @@ def test_a_lean_block_recomputes_its_up_projection_and_keeps_the_rest(monkeypatc
     )
     want = torch.autograd.grad(_gated_block(x, w, w2), (x, w, w2))
     counts = []
-    for context in (selective_ac.context, selective_ac.lean_context):
+    for context in (selective_ac.context, functools.partial(selective_ac.lean_context, 16)):
 
         def block(x, w, w2, context=context):
             return torch.utils.checkpoint.checkpoint(
@@ -243,6 +255,25 @@ def test_a_lean_block_recomputes_its_up_projection_and_keeps_the_rest(monkeypatc
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b)
     assert counts == [1, 2]
+
+
+@pytest.mark.parametrize("float8", [False, True], ids=["linear", "float8"])
+def test_lean_blocks_keep_less_by_their_up_projections_whatever_runs_them(float8):
+    """ac_lean_blocks through the model's own layers: the up projection as nn.Linear's
+    matmul (aten::mm) or torchao's float8 one (aten::_scaled_mm: lean blocks did nothing
+    under --model.float8, the 8B's float8 run held the same memory with 6 of them). Each
+    lean block keeps exactly its up projection's output less, with the same loss and
+    gradients as the plain policy's."""
+    if float8:
+        pytest.importorskip("torchao.float8")
+    plain, one, both = (run("selective", lean=n, float8=float8) for n in (0, 1, 2))
+    m = GPT(ModelConfig(vocab_size=200, n_layer=2, n_head=4, d_model=64))
+    up_bytes = 2 * 32 * m.blocks[0].mlp.up.out_features * 4  # 2 x 32 tokens, fp32
+    assert (plain[2] - one[2], plain[2] - both[2]) == (up_bytes, 2 * up_bytes)
+    for lean in (one, both):
+        torch.testing.assert_close(lean[0], plain[0], rtol=0, atol=0)
+        for name, grad in plain[1].items():
+            torch.testing.assert_close(lean[1][name], grad, rtol=1e-6, atol=1e-7, msg=name)
 
 
 def test_selective_is_a_setting_and_a_typo_is_one_line_naming_the_choices():
@@ -341,11 +372,16 @@ def test_the_trainer_gives_every_block_the_policy(small_corpus, tmp_path):
     ]))  # fmt: skip
     assert [b.recompute for b in t.gpt.blocks] == [{"context_fn": selective_ac.context}] * 3
     assert t.ckpt_every == 1
+
+    def kinds():  # each block's context: a lean one names the up projection's width
+        fns = [(b.recompute or {}).get("context_fn") for b in t.gpt.blocks]
+        return [(f.func, f.args) if isinstance(f, functools.partial) else f for f in fns]
+
     t.gpt.set_activation_checkpointing("selective", lean=2)  # --ac_lean_blocks 2
-    lean, plain = {"context_fn": selective_ac.lean_context}, {"context_fn": selective_ac.context}
-    assert [b.recompute for b in t.gpt.blocks] == [lean, lean, plain]
+    lean = (selective_ac.lean_context, (t.gpt.blocks[0].mlp.up.out_features,))
+    assert kinds() == [lean, lean, selective_ac.context]
     t.gpt.set_activation_checkpointing("selective", lean=9)  # more than the blocks: all
-    assert [b.recompute for b in t.gpt.blocks] == [lean] * 3
+    assert kinds() == [lean] * 3
     t.gpt.set_activation_checkpointing("full", lean=2)  # lean only makes selective leaner
     assert [b.recompute for b in t.gpt.blocks] == [{}] * 3
 

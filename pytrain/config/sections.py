@@ -119,9 +119,9 @@ class TrainConfig:
     recomputing only the cheap ops between them: pytrain.model.selective_ac)."""
     ac_lean_blocks: int = 0
     """Under 'selective', how many blocks (the first) also recompute their MLP's up
-    projection (quack's SwiGLU GEMM, the fused GELU's) instead of keeping its output: at 8B,
-    448 MiB less a block for one GEMM more in its backward (measured on 4 H100s: about 0.6%
-    of the tokens/s a block).
+    projection (whichever runs it: quack's SwiGLU GEMM, the fused GELU's, a plain or float8
+    linear layer) instead of keeping its output: at 8B, 448 MiB less a block for one GEMM
+    more in its backward (measured on 4 H100s: about 0.6% of the tokens/s a block).
     Needs activation_checkpointing 'selective'; as many as the model's blocks or more:
     every block (--init_from may bring a shape other than the preset's)."""
     fsdp: bool | None = None

@@ -11,6 +11,7 @@ CUDA when compiled, else sdpa_mask."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -327,8 +328,9 @@ class GPT(nn.Module):
         stride = checkpoint_every(every) if isinstance(every, str) else every
         selective = every == SELECTIVE
         options = {"context_fn": selective_ac.context} if selective else {}
-        lean_options = {"context_fn": selective_ac.lean_context}
         blocks: list[Block] = list(self.blocks)  # type: ignore[arg-type]  # ModuleList's items
+        up_width = blocks[0].mlp.up.out_features if blocks else 0
+        lean_options = {"context_fn": functools.partial(selective_ac.lean_context, up_width)}
         for i, block in enumerate(blocks):
             chosen = lean_options if selective and i < lean else options
             block.recompute = chosen if stride and i % stride == 0 else None

@@ -25,6 +25,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 __all__ = [
     "KEPT",
+    "OUT_WIDTH_ARG",
     "UP_PROJECTIONS",
     "context",
     "kept",
@@ -80,8 +81,12 @@ UP_PROJECTIONS = {
     "quack::gemm_act_out",
     "pytrain::gelu_up",
 }
-"""What the lean blocks (ac_lean_blocks) recompute too: one GEMM more in their backward for
-the memory of its output."""
+"""What the lean blocks (ac_lean_blocks) recompute too, with the plain matmul as wide as the
+up projection (lean_policy): one GEMM more in their backward for the memory of its output."""
+
+OUT_WIDTH_ARG = {"aten::mm": 1, "aten::_scaled_mm": 1, "aten::addmm": 2}
+"""The plain matmuls, each with the argument whose last dimension is its output's: an up
+projection through nn.Linear, or torchao's Float8Linear (float8), is one of them."""
 
 COLLECTIVES = ("_c10d_functional", "c10d_functional")
 """Namespaces whose every op's output is kept, so that a recompute never communicates again
@@ -137,11 +142,22 @@ def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if kept(op) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def lean_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """policy, but the MLP's up projection (UP_PROJECTIONS) is recomputed too."""
-    if _name(op) in UP_PROJECTIONS:
-        return CheckpointPolicy.PREFER_RECOMPUTE
-    return policy(ctx, op, *args, **kwargs)
+def lean_policy(up_width: int):
+    """policy, but the MLP's up projection is recomputed too: the ops of UP_PROJECTIONS,
+    and a plain matmul whose output is `up_width` wide (the up projection's out_features,
+    where it runs through nn.Linear or float8's layers). A block's other matmuls are
+    narrower at every preset's shape (the 8B's: q/k/v 6144, the output and down projections
+    4096, the up projection 28672); a shape where one is as wide recomputes it too."""
+
+    def lean(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        name = _name(op)
+        i = OUT_WIDTH_ARG.get(name)
+        wide = i is not None and len(args) > i and args[i].shape[-1] == up_width
+        if wide or name in UP_PROJECTIONS:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        return policy(ctx, op, *args, **kwargs)
+
+    return lean
 
 
 def context():
@@ -150,9 +166,10 @@ def context():
     return create_selective_checkpoint_contexts(policy)
 
 
-def lean_context():
-    """context() for a lean block: its up projection recomputed as well (lean_policy)."""
-    return create_selective_checkpoint_contexts(lean_policy)
+def lean_context(up_width: int):
+    """context() for a lean block: its up projection, `up_width` wide, recomputed as well
+    (lean_policy)."""
+    return create_selective_checkpoint_contexts(lean_policy(up_width))
 
 
 class _InPlaceWarning(logging.Filter):
