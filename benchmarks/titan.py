@@ -354,6 +354,30 @@ def quality_pairs(ours: list[tuple[str, str | None]], titan: list[str]) -> list[
     return pairs + [("torchtitan bf16", f"torchtitan {n}") for n in titan if n != "bf16"]
 
 
+def comparisons(results: dict) -> list[list[str]]:
+    """One sequence length's pairs: ours in bf16 (its fastest run named "ours bf16...")
+    against torchtitan's bf16, ours in float8 against torchtitan's float8, and each side's
+    fastest run against the other's: [comparison, ours, torchtitan, speed ratio, peak
+    memory reserved of ours less torchtitan's], "-" where a side is missing or failed."""
+    ok = {k: v for k, v in results.items() if "error" not in v}
+
+    def best(side: str) -> str | None:
+        names = [k for k in ok if k.startswith(side)]
+        return max(names, key=lambda k: ok[k]["tokens_per_s"]) if names else None
+
+    rows = []
+    for label, a, b in (("bf16 vs bf16", best("ours bf16"), best("torchtitan bf16")),
+                        ("fp8 vs fp8", best("ours fp8"), best("torchtitan fp8")),
+                        ("best vs best", best("ours"), best("torchtitan"))):  # fmt: skip
+        if a is None or b is None:
+            rows.append([label, a or "-", b or "-", "-", "-"])
+            continue
+        ratio = ok[a]["tokens_per_s"] / ok[b]["tokens_per_s"]
+        memory = ok[a]["peak_gib"] - ok[b]["peak_gib"]
+        rows.append([label, a, b, f"{ratio:.2f}x", f"{memory:+.1f}"])
+    return rows
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--titan-run":
         titan_worker(sys.argv[2:])
@@ -496,23 +520,9 @@ def main() -> int:
         headers = ["seq", "reference", "its val loss", "run", "its val loss", "run / reference",
                    "within 1%"]  # fmt: skip
         print(markdown_table(headers, rows))
-    rows = []
-    for seq, r in results.items():
-        ok = {k: v for k, v in r.items() if "error" not in v}
-
-        def best(side: str, ok: dict = ok) -> str | None:
-            names = [k for k in ok if k.startswith(side)]
-            return max(names, key=lambda k: ok[k]["tokens_per_s"]) if names else None
-
-        for label, a, b in (("bf16 vs bf16", best("ours bf16"), "torchtitan bf16"),
-                            ("best vs best", best("ours"), best("torchtitan"))):  # fmt: skip
-            ratio = (
-                f"{ok[a]['tokens_per_s'] / ok[b]['tokens_per_s']:.2f}x"
-                if a in ok and b in ok
-                else "-"
-            )
-            rows.append([seq, label, a, b, ratio])
-    print("\n" + markdown_table(["seq", "comparison", "ours", "torchtitan", "ratio"], rows))
+    rows = [[seq, *row] for seq, r in results.items() for row in comparisons(r)]
+    print("\n" + markdown_table(["seq", "comparison", "ours", "torchtitan", "ratio",
+                                  "peak GiB, ours - torchtitan"], rows))  # fmt: skip
     for seq, r in results.items():
         for name, x in r.items():
             if args.memory_peaks:

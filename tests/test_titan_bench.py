@@ -58,3 +58,26 @@ def test_quality_pairs_each_run_with_its_reference():
         ("ours bf16 (bf16 moments)", "ours fp8 (bf16 moments)"),
         ("ours bf16 (fp32 moments)", "ours bf16 (bf16 moments)"),
     ]
+
+
+def test_the_comparisons_pair_each_precision_and_the_fastest_with_their_memory():
+    results = {
+        "ours preset (bf16 moments)": {"tokens_per_s": 10578.0, "peak_gib": 52.5},
+        "ours bf16 (bf16 moments)": {"tokens_per_s": 10490.0, "peak_gib": 52.0},
+        "ours bf16 (3 lean blocks)": {"tokens_per_s": 10300.0, "peak_gib": 50.7},
+        "ours fp8": {"error": "out of memory"},
+        "torchtitan bf16": {"tokens_per_s": 8820.0, "peak_gib": 51.2},
+        "torchtitan fp8 output-bf16": {"tokens_per_s": 11072.0, "peak_gib": 50.9},
+    }
+    assert titan.comparisons(results) == [
+        ["bf16 vs bf16", "ours bf16 (bf16 moments)", "torchtitan bf16", "1.19x", "+0.8"],
+        ["fp8 vs fp8", "-", "torchtitan fp8 output-bf16", "-", "-"],  # ours failed
+        [
+            "best vs best",
+            "ours preset (bf16 moments)",
+            "torchtitan fp8 output-bf16",
+            "0.96x",
+            "+1.6",
+        ],
+    ]
+    assert titan.comparisons({})[0] == ["bf16 vs bf16", "-", "-", "-", "-"]
