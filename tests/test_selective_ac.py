@@ -276,6 +276,68 @@ def test_lean_blocks_keep_less_by_their_up_projections_whatever_runs_them(float8
             torch.testing.assert_close(lean[1][name], grad, rtol=1e-6, atol=1e-7, msg=name)
 
 
+def compiled_saves(lean: int, float8: bool) -> dict[str, tuple[str, torch.Tensor]]:
+    """What the compiled training loss of run()'s model (its batch, 'selective' with `lean`
+    lean blocks) saves for its backward, by node name: (the op that made it, its value).
+    AOTAutograd's partitioner as Inductor runs it, without Inductor's code generation
+    (backend aot_eager's graphs)."""
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    forwards, backwards = [], []
+
+    def keeping(graphs):
+        def compiler(gm, inputs):
+            graphs.append(gm.graph)
+            return make_boxed_func(gm.forward)
+
+        return compiler
+
+    backend = aot_autograd(fw_compiler=keeping(forwards), bw_compiler=keeping(backwards),
+                           partition_fn=min_cut_rematerialization_partition)  # fmt: skip
+    torch.manual_seed(0)
+    m = GPT(ModelConfig(vocab_size=200, n_layer=2, n_head=4, d_model=64)).train()
+    if float8:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(
+            m,
+            config=Float8LinearConfig.from_recipe_name("tensorwise"),
+            module_filter_fn=lambda mod, fqn: fqn.startswith("blocks."),
+        )
+    m.set_activation_checkpointing("selective", lean)
+    g = torch.Generator().manual_seed(1)
+    ids, targets = torch.randint(0, 200, (2, 2, 32), generator=g)
+    keep = torch.ones(2, 32, dtype=torch.bool)
+    torch._dynamo.reset()
+    torch.compile(m.loss_sum, backend=backend)(ids, targets, None, keep, None).backward()
+    read = {n.name for graph in backwards for n in graph.find_nodes(op="placeholder")}
+    return {n.name: (str(n.target), n.meta["val"]) for graph in forwards
+            for n in graph.output_node().args[0]
+            if isinstance(n, torch.fx.Node) and n.name in read}  # fmt: skip
+
+
+@pytest.mark.parametrize("float8", [False, True], ids=["linear", "float8"])
+def test_compiled_lean_blocks_save_no_up_projection_and_nothing_in_its_place(float8):
+    """The same through torch.compile, where the policy tags the traced graph and the
+    partitioner decides what the backward reads: the plain policy saves each block's up
+    projection (a matmul as wide as it), a lean block none, and the lean blocks save
+    nothing that the plain policy does not."""
+    if float8:
+        pytest.importorskip("torchao.float8")
+    up = GPT(ModelConfig(vocab_size=200, n_layer=2, n_head=4, d_model=64)).blocks[0].mlp.up
+    matmul = "aten._scaled_mm.default" if float8 else "aten.mm.default"
+
+    def up_projections(saves):
+        return [
+            n for n, (op, v) in saves.items() if op == matmul and v.shape[-1] == up.out_features
+        ]
+
+    plain, lean = compiled_saves(0, float8), compiled_saves(2, float8)
+    assert len(up_projections(plain)) == 2 and up_projections(lean) == []
+    assert set(lean) <= set(plain) - set(up_projections(plain))  # float8: nor their scales
+
+
 def test_selective_is_a_setting_and_a_typo_is_one_line_naming_the_choices():
     assert checkpoint_every("selective") == checkpoint_every("full") == 1
     cfg = TrainConfig(activation_checkpointing="selective")
