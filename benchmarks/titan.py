@@ -265,7 +265,7 @@ def brief(result: dict) -> dict:
 def run_until_step(cmd: list[str], log: Path, steps: int, evaluated: bool) -> tuple[int, str]:
     """Runs the trainer and ends it (SIGKILL to it and its workers) once its train.log has
     the last step, and with `evaluated` (--quality) also that step's validation loss: the
-    final checkpoint that follows (96 GB at 8B) is not measured here. Returns (exit code, 0
+    final checkpoint that follows (64 GB at 8B) is not measured here. Returns (exit code, 0
     where it was ended so; its output)."""
     last_val = re.compile(rf"step {steps} val_loss ")
     with tempfile.TemporaryFile("w+") as out:

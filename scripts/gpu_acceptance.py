@@ -28,9 +28,9 @@ Rows for a host of 4 GPUs of 80 GB, run only where --rows names them (the defaul
 on one GPU); on fewer GPUs each fails at once, saying so:
   llama-8b    configs/llama-8b.toml under `torchrun --standalone --nproc_per_node 4`
               (FSDP2), shortened: synthetic ids at Llama 3's vocabulary, 4 micro-batches a
-              rank, evaluation, a checkpoint (~96 GB), the resume, the export and its
+              rank, evaluation, a checkpoint (~64 GB), the resume, the export and its
               logits, then the first step of a new 4-rank run `--init_from` the export; tokens/s
-              and peak memory in the note; ~200 GB of disk at its peak
+              and peak memory in the note; ~160 GB of disk at its peak
   two-agent   HSDP as two nodes run it: two torchrun agents of 2 GPUs each (c10d
               rendezvous on this host) train configs/llama-1b.toml shortened (its own
               attention, FA4, deterministic under --deterministic); then the same job with
@@ -527,7 +527,7 @@ def llama_8b_args(train: Path, val: Path, cache: Path) -> list[str]:
 
 def row_llama_8b(work: Path) -> Row:
     """configs/llama-8b.toml on 4 GPUs (FSDP2): 4 steps, then the resume to 6, the export,
-    and the first step of a new run from it (`--init_from`, continued). A checkpoint holds fp32 weights and both AdamW moments, ~96 GB, and two exist
+    and the first step of a new run from it (`--init_from`, continued). A checkpoint holds fp32 weights and both AdamW moments (bf16), ~64 GB, and two exist
     while the second is written: the checkpoints and the export are deleted at the end,
     also where the row fails, so that the disk is free for what follows."""
     row = Row("llama-8b", "")
@@ -540,7 +540,7 @@ def row_llama_8b(work: Path) -> Row:
         train_twice(row, work, args, first=4, total=6, launcher=standalone(4))
         problems, exported = export_matches(work, row, hf)
         if not problems:  # a new run of 4 ranks from the export: its weights, sharded
-            drop_checkpoints(work / "runs" / row.name)  # the disk: the new run saves 96 GB too
+            drop_checkpoints(work / "runs" / row.name)  # the disk: the new run saves 64 GB too
             problems = continued(work, "llama-8b", args, hf, row.train_loss, standalone(4))
         conclude(row, problems, f"{figures(work, row)}; {exported}")
     finally:
@@ -711,7 +711,7 @@ def continued(work: Path, preset: str, args: list[str], hf: Path, trained_loss: 
            "--name", name, "--max_steps", "3", "--eval_every", "0", "--samples", "0",
            "--ckpt_every", "0"]  # fmt: skip
     # Its first loss is all that is read: the run is ended once step 1 is logged (its end's
-    # checkpoint, 96 GB at 8B, is not waited for).
+    # checkpoint, 64 GB at 8B, is not waited for).
     rc, out = run(cmd, work / f"{name}.log", done=lambda: logged_step(work / "runs" / name) >= 1)
     log = work / "runs" / name / "train.log"
     first = read_step_lines(log.read_text())[:1] if log.exists() else []

@@ -164,5 +164,5 @@ def resume(t) -> None:
             f"resuming a run saved with {rows}-row micro-batches with {t.cfg.data.batch_size}-row "
             "ones: the loader continues from the same row, each document once"
         )
-    # How long the state took to read (an 8B's 96 GB: the disk's share of a restart).
+    # How long the state took to read (an 8B's 64 GB: the disk's share of a restart).
     t.say(f"resumed from {path} at step {t.step} (read in {time.perf_counter() - t0:.1f}s)")
