@@ -83,7 +83,9 @@ can wait; one graph of many tensors takes Inductor about as long again a tensor 
 benchmarks/optimizer.py, one H100): a call a tensor 23.8 ms a step, 20.5 of them the
 host's, made in 6 s; chunks of 16: 16.8 ms, 9.4 on the host, made in 79 s. At 4: the two
 embedding matrices, 8 chunks of each of the 4 matrices of its 32 blocks, 17 of the 65
-norms: 50 calls a step, 7 graphs (23 tensors' worth of compiling against 83 at 16)."""
+norms: 50 calls a step, 7 graphs (23 tensors' worth of compiling against 83 at 16); on an
+H200, 18.7 ms a step (16.4 on the host), made in 32 s, where torch's fused AdamW with fp32
+moments took 20.8."""
 
 
 def chunks(sizes: list[int]) -> list[list[int]]:
