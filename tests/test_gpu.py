@@ -659,6 +659,14 @@ def torchao_available() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
+def unmasked_batch(rows: int, tokens: int, vocab: int) -> tuple:
+    """loss_sum's arguments for `rows` rows of `tokens` random ids below `vocab` on the GPU,
+    every token in the loss."""
+    ids = torch.randint(0, vocab, (rows, tokens + 1), device="cuda")
+    keep = torch.ones(rows, tokens, dtype=torch.bool, device="cuda")
+    return ids[:, :-1], ids[:, 1:], None, keep, None
+
+
 @pytest.mark.skipif(not torchao_available(), reason="needs torchao and an FP8 GPU")
 def test_float8_blocks_keep_the_loss_and_gradients_close():
     """--model.float8 tensorwise: the compiled model's loss within 1% of bf16's, gradients
@@ -670,14 +678,7 @@ def test_float8_blocks_keep_the_loss_and_gradients_close():
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=50304, n_layer=2, n_head=4, d_model=256)
     gpt = GPT(cfg).cuda().train()
-    ids = torch.randint(0, 50257, (4, 513), device="cuda")
-    args = (
-        ids[:, :-1],
-        ids[:, 1:],
-        None,
-        torch.ones(4, 512, dtype=torch.bool, device="cuda"),
-        None,
-    )
+    args = unmasked_batch(4, 512, 50257)
     want = bf16_loss_and_grads(gpt, gpt.loss_sum, *args)
     assert float8.convert(gpt, "tensorwise", torch.device("cuda")) == 2 * 4  # qkv, proj, up, down
     got = bf16_loss_and_grads(gpt, torch.compile(gpt.loss_sum), *args)
@@ -693,14 +694,7 @@ def test_float8_lean_blocks_hold_their_up_projections_less_memory():
     from pytrain.model.gpt import GPT, ModelConfig
 
     cfg = ModelConfig(vocab_size=4096, n_layer=4, n_head=8, d_model=1024, max_seq_len=4096)
-    ids = torch.randint(0, 4096, (1, 4097), device="cuda")
-    args = (
-        ids[:, :-1],
-        ids[:, 1:],
-        None,
-        torch.ones(1, 4096, dtype=torch.bool, device="cuda"),
-        None,
-    )
+    args = unmasked_batch(1, 4096, 4096)
 
     def peak(lean: int) -> tuple[int, int]:
         torch.manual_seed(0)
