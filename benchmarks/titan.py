@@ -30,8 +30,9 @@ Runs, all at the same sequence length and tokens per optimizer step (`--rows` x
 off`), as shipped (the FP8 output layer), and with `--model.float8 tensorwise` (torchao);
 torchtitan (FSDP2 on one GPU, its default) in bf16 and with its float8 converter (tensorwise)
 twice: on every linear layer, the output one included (its default), and with the output
-layer left in bf16 (`filter_fqns output`, as its llama3 recipes set it). Compared: bf16 with bf16, and each side's
-fastest run with the other's. MFU with one formula for both: 6N + 12 L H d T per token
+layer left in bf16 (`filter_fqns output`, as its llama3 recipes set it); asked for by name,
+each side's float8 with a scale a row (ROWWISE_RUNS). Compared: bf16 with bf16, float8
+with float8, and each side's fastest run with the other's. MFU with one formula for both: 6N + 12 L H d T per token
 (N: the blocks and the output layer, the embedding lookup costing nothing; attention
 included), against 989 TFLOP/s (H100 dense bf16). Tokens/s per GPU (torchtitan logs its
 "tps" per GPU, ours its whole job's, divided here). Peak memory: rank 0's
@@ -80,6 +81,20 @@ from benchmarks.harness import (  # noqa: E402
 PEAK_TFLOPS = 989.0  # H100 SXM dense bf16
 RUNS = ("ours bf16", "ours preset", "ours fp8",
         "torchtitan bf16", "torchtitan fp8", "torchtitan fp8 output-bf16")  # fmt: skip
+ROWWISE_RUNS = ("ours fp8 rowwise", "torchtitan fp8 rowwise output-bf16")
+"""float8 with a scale a row (torchao's rowwise recipe) on both sides, asked for by name:
+finer scales than a tensor's, slower, and without the float8 all-gathers."""
+OURS_RUNS = {"bf16": ["--model.float8_head", "off"], "preset": [],
+             "fp8": ["--model.float8", "tensorwise"], "fp8 rowwise": ["--model.float8", "rowwise"]}  # fmt: skip
+TITAN_RUNS: dict[str, tuple[str, list[str]] | None] = {
+    "bf16": None,
+    "fp8": ("tensorwise", []),
+    "fp8 output-bf16": ("tensorwise", ["output"]),
+    "fp8 rowwise output-bf16": ("rowwise", ["output"]),
+}
+"""torchtitan's runs: None for bf16, else its float8 converter's (recipe, `filter_fqns`):
+every linear layer (its default), and without the output layer, as its own llama3 recipes
+set `filter_fqns`."""
 VAL_BATCHES = 20  # --quality: validation batches of --rows rows, the same for both
 ALLOC_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 TITAN_ALLOC = {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}
@@ -126,12 +141,32 @@ def torchrun(gpus: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(gpus)]  # fmt: skip
 
 
+def titan_float8_flags(float8: tuple[str, list[str]] | None, gpus: int) -> list[str]:
+    """torchtitan's flags for a float8 run (TITAN_RUNS' (recipe, layers left in bf16)):
+    0.2.2 registers the converter under this name; tensorwise is its default recipe, which
+    it refuses to have named beside the float8 all-gathers, and its recipes over several
+    GPUs all-gather the weights in float8 (tensorwise only)."""
+    if float8 is None:
+        return []
+    recipe, keep_bf16 = float8
+    flags = ["--model.converters", "quantize.linear.float8"]
+    if gpus == 1 or recipe != "tensorwise":
+        flags += ["--quantize.linear.float8.recipe_name", recipe]
+    if keep_bf16:
+        flags += ["--quantize.linear.float8.filter_fqns", ",".join(keep_bf16)]
+    if gpus > 1 and recipe == "tensorwise":
+        flags += ["--quantize.linear.float8.enable_fsdp_float8_all_gather",
+                  "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"]  # fmt: skip
+    return flags
+
+
 def run_titan(
     work: Path, site: Path, shape: dict, gpus: int, seq: int, rows: int, accum: int, steps: int,
-    label: str, float8: list[str] | None, val: Path | None = None, memory: bool = False,
+    label: str, float8: tuple[str, list[str]] | None, val: Path | None = None,
+    memory: bool = False,
 ) -> dict:  # fmt: skip
-    """torchtitan's trainer; `float8`: None for bf16, else float8 tensorwise on every linear
-    layer but those named (its `filter_fqns`)."""
+    """torchtitan's trainer; `float8`: None for bf16, else (recipe, the linear layers left in
+    bf16: its `filter_fqns`)."""
     corpus, tok = work / "titan-corpus", work / "titan-tokenizer"  # written by main()
     cmd = [*torchrun(gpus), str(Path(__file__).resolve()), "--titan-run",
            "--model.name", "llama3", "--model.flavor", shape["titan_flavor"],
@@ -141,17 +176,7 @@ def run_titan(
            "--training.global_batch_size", str(rows * accum * gpus),
            "--training.seq_len", str(seq), "--training.steps", str(steps), "--metrics.log_freq", "1",
            "--compile.enable", *shape["titan_ac"], "--job.dump_folder", str(work / "titan-out")]  # fmt: skip
-    if float8 is not None:
-        # 0.2.2 registers the converter under this name; tensorwise is its default recipe,
-        # which it refuses to have named beside the float8 all-gathers.
-        cmd += ["--model.converters", "quantize.linear.float8"]
-        if gpus == 1:
-            cmd += ["--quantize.linear.float8.recipe_name", "tensorwise"]
-        if float8:
-            cmd += ["--quantize.linear.float8.filter_fqns", ",".join(float8)]
-        if gpus > 1:  # its recipes over several GPUs: the FSDP all-gathers in float8
-            cmd += ["--quantize.linear.float8.enable_fsdp_float8_all_gather",
-                    "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"]  # fmt: skip
+    cmd += titan_float8_flags(float8, gpus)
     if val is not None:  # --quality: its validation at the last step, a short warm-up
         cmd += ["--validation.enable", "--validation.dataset", "c4_test",
                 "--validation.dataset_path", str(val), "--validation.freq", str(steps),
@@ -399,7 +424,9 @@ def main() -> int:
     p.add_argument("--rows", type=int, default=8, help="rows per micro-batch (4 fit at 4096)")
     p.add_argument("--accum", type=int, default=4, help="micro-batches per optimizer step")
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--runs", default=",".join(RUNS), help="which runs, comma-separated (default: all six)")  # fmt: skip
+    p.add_argument("--runs", default=",".join(RUNS),
+                   help=f"which runs, comma-separated (default: {', '.join(RUNS)}; also "
+                   f"{', '.join(ROWWISE_RUNS)})")  # fmt: skip
     p.add_argument("--ours-ac", default="",
                    help="activation checkpointing policies to run each of ours with, comma-"
                    "separated (e.g. every-2,selective): one row each, named so; default: the "
@@ -431,6 +458,10 @@ def main() -> int:
         variants = ours_variants(args.ours_ac, args.ours_variant)
     except ValueError as e:
         p.error(str(e))
+    wanted = {w.strip() for w in args.runs.split(",") if w.strip()}
+    if unknown := sorted(wanted - {*RUNS, *ROWWISE_RUNS}):
+        p.error(f"--runs: no run named {', '.join(map(repr, unknown))}; the runs: "
+                f"{', '.join((*RUNS, *ROWWISE_RUNS))}")  # fmt: skip
     shape = SHAPES[args.shape]
     print(machine_line(), flush=True)
     work = args.work
@@ -451,17 +482,8 @@ def main() -> int:
             work, corpus, work / "titan-tokenizer" / "tokenizer.json"
         )
     # Each side's runs once per sequence length; the comparisons pair them afterwards.
-    ours_runs = {"bf16": ["--model.float8_head", "off"], "preset": [],
-                 "fp8": ["--model.float8", "tensorwise"]}  # fmt: skip
-    # torchtitan's float8: every linear layer (its default), and without the output layer,
-    # as its own llama3 recipes set `filter_fqns`.
-    titan_runs: dict[str, list[str] | None] = {
-        "bf16": None,
-        "fp8": [],
-        "fp8 output-bf16": ["output"],
-    }
+    ours_runs, titan_runs = OURS_RUNS, TITAN_RUNS
     results: dict[int, dict[str, dict]] = {}
-    wanted = {w.strip() for w in args.runs.split(",")}
     for seq in (int(s) for s in args.seq.split(",")):
         r = results[seq] = {}
         for (name, extra), (variant, flags) in itertools.product(ours_runs.items(), variants):

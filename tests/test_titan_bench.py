@@ -81,3 +81,32 @@ def test_the_comparisons_pair_each_precision_and_the_fastest_with_their_memory()
         ],
     ]
     assert titan.comparisons({})[0] == ["bf16 vs bf16", "-", "-", "-", "-"]
+
+
+def test_rowwise_runs_are_asked_for_by_name_and_unknown_runs_refused(tmp_path):
+    """Rowwise float8 on both sides, torchtitan's without the float8 all-gathers (tensorwise
+    only); a run name neither side has is refused in one line, before anything runs."""
+    import subprocess
+    import sys
+
+    assert titan.OURS_RUNS["fp8 rowwise"] == ["--model.float8", "rowwise"]
+    assert titan.TITAN_RUNS["fp8 rowwise output-bf16"] == ("rowwise", ["output"])
+    assert set(titan.ROWWISE_RUNS).isdisjoint(titan.RUNS)
+    r = subprocess.run([sys.executable, "benchmarks/titan.py", "--titan-site", str(tmp_path),
+                        "--runs", "ours fp8,ours fp9"], capture_output=True, text=True,
+                       cwd=titan.ROOT, timeout=120)  # fmt: skip
+    assert r.returncode == 2 and "no run named 'ours fp9'" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_torchtitan_float8_flags_follow_its_recipes():
+    assert titan.titan_float8_flags(None, 4) == []
+    four = titan.titan_float8_flags(titan.TITAN_RUNS["fp8 output-bf16"], 4)
+    assert "--quantize.linear.float8.recipe_name" not in four  # its default, not to be named
+    assert "--quantize.linear.float8.enable_fsdp_float8_all_gather" in four
+    assert four[four.index("--quantize.linear.float8.filter_fqns") + 1] == "output"
+    one = titan.titan_float8_flags(titan.TITAN_RUNS["fp8"], 1)
+    assert one[-2:] == ["--quantize.linear.float8.recipe_name", "tensorwise"]
+    rowwise = titan.titan_float8_flags(titan.TITAN_RUNS["fp8 rowwise output-bf16"], 4)
+    assert rowwise[rowwise.index("--quantize.linear.float8.recipe_name") + 1] == "rowwise"
+    assert not any("all_gather" in f or "precompute" in f for f in rowwise)
