@@ -364,6 +364,17 @@ def ours_variants(ac: str, named: list[str]) -> list[tuple[str | None, list[str]
     return out or [(None, [])]
 
 
+def chosen_runs(spec: str) -> tuple[list[str], list[str]]:
+    """--runs: the names of ours' runs (OURS_RUNS) and torchtitan's (TITAN_RUNS) in the order
+    given, each once (ours run first); ValueError naming any that neither side has."""
+    wanted = list(dict.fromkeys(w.strip() for w in spec.split(",") if w.strip()))
+    if unknown := [w for w in wanted if w not in (*RUNS, *ROWWISE_RUNS)]:
+        raise ValueError(f"--runs: no run named {', '.join(map(repr, unknown))}; the runs: "
+                         f"{', '.join((*RUNS, *ROWWISE_RUNS))}")  # fmt: skip
+    return ([w.removeprefix("ours ") for w in wanted if w.startswith("ours ")],
+            [w.removeprefix("torchtitan ") for w in wanted if w.startswith("torchtitan ")])  # fmt: skip
+
+
 def quality_pairs(ours: list[tuple[str, str | None]], titan: list[str]) -> list[tuple[str, str]]:
     """(reference, run) pairs of the --quality table, by row name: each side's other runs
     (float8, the preset's FP8 output layer) against its bf16 run of the same variant, and
@@ -456,12 +467,9 @@ def main() -> int:
         p.error(f"--memory-peaks records ours over steps {MEMORY_WINDOW}: --steps at least 5")
     try:
         variants = ours_variants(args.ours_ac, args.ours_variant)
+        ours_runs, titan_runs = chosen_runs(args.runs)
     except ValueError as e:
         p.error(str(e))
-    wanted = {w.strip() for w in args.runs.split(",") if w.strip()}
-    if unknown := sorted(wanted - {*RUNS, *ROWWISE_RUNS}):
-        p.error(f"--runs: no run named {', '.join(map(repr, unknown))}; the runs: "
-                f"{', '.join((*RUNS, *ROWWISE_RUNS))}")  # fmt: skip
     shape = SHAPES[args.shape]
     print(machine_line(), flush=True)
     work = args.work
@@ -482,26 +490,22 @@ def main() -> int:
             work, corpus, work / "titan-tokenizer" / "tokenizer.json"
         )
     # Each side's runs once per sequence length; the comparisons pair them afterwards.
-    ours_runs, titan_runs = OURS_RUNS, TITAN_RUNS
     results: dict[int, dict[str, dict]] = {}
     for seq in (int(s) for s in args.seq.split(",")):
         r = results[seq] = {}
-        for (name, extra), (variant, flags) in itertools.product(ours_runs.items(), variants):
-            if f"ours {name}" not in wanted:
-                continue
+        for name, (variant, flags) in itertools.product(ours_runs, variants):
             label = f"ours {name}" + (f" ({variant})" if variant else "")
             r[label] = run_ours(
                 work, shape, args.gpus, seq, args.rows, args.accum, args.steps,
                 re.sub(r"[^A-Za-z0-9.]+", "-", label.removeprefix("ours ")).strip("-"),
-                [*extra, *flags, *shlex.split(args.ours_flags)], ours_text, args.memory_peaks,
+                [*OURS_RUNS[name], *flags, *shlex.split(args.ours_flags)], ours_text,
+                args.memory_peaks,
             )  # fmt: skip
             print(f"[{seq}] {label}: {brief(r[label])}", flush=True)
-        for name, fp8 in titan_runs.items():
-            if f"torchtitan {name}" not in wanted:
-                continue
+        for name in titan_runs:
             r[f"torchtitan {name}"] = run_titan(
                 work, args.titan_site, shape, args.gpus, seq, args.rows, args.accum, args.steps,
-                name, fp8, titan_val, args.memory_peaks,
+                name, TITAN_RUNS[name], titan_val, args.memory_peaks,
             )  # fmt: skip
             print(f"[{seq}] torchtitan {name}: {brief(r[f'torchtitan {name}'])}", flush=True)
     where = "one GPU" if args.gpus == 1 else f"{args.gpus} GPUs, FSDP2"
@@ -528,9 +532,8 @@ def main() -> int:
     )
     if args.quality:
         print(f"\nvalidation loss at step {args.steps} ({VAL_BATCHES} batches of held-out text)\n")
-        ours_ran = [(n, v) for n, v in itertools.product(ours_runs, [v for v, _ in variants])
-                    if f"ours {n}" in wanted]  # fmt: skip
-        pairs = quality_pairs(ours_ran, [n for n in titan_runs if f"torchtitan {n}" in wanted])
+        ours_ran = list(itertools.product(ours_runs, [v for v, _ in variants]))
+        pairs = quality_pairs(ours_ran, titan_runs)
         rows = []
         for seq, r in results.items():
             for ref, run in pairs:

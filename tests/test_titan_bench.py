@@ -92,6 +92,11 @@ def test_rowwise_runs_are_asked_for_by_name_and_unknown_runs_refused(tmp_path):
     assert titan.OURS_RUNS["fp8 rowwise"] == ["--model.float8", "rowwise"]
     assert titan.TITAN_RUNS["fp8 rowwise output-bf16"] == ("rowwise", ["output"])
     assert set(titan.ROWWISE_RUNS).isdisjoint(titan.RUNS)
+    assert titan.chosen_runs("ours fp8 rowwise, torchtitan bf16,ours bf16,ours bf16") == (
+        ["fp8 rowwise", "bf16"],
+        ["bf16"],
+    )  # in the order named, each once
+    assert set(titan.chosen_runs(",".join(titan.RUNS))[0]) <= set(titan.OURS_RUNS)
     r = subprocess.run([sys.executable, "benchmarks/titan.py", "--titan-site", str(tmp_path),
                         "--runs", "ours fp8,ours fp9"], capture_output=True, text=True,
                        cwd=titan.ROOT, timeout=120)  # fmt: skip
