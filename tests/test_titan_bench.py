@@ -83,15 +83,20 @@ def test_the_comparisons_pair_each_precision_and_the_fastest_with_their_memory()
     assert titan.comparisons({})[0] == ["bf16 vs bf16", "-", "-", "-", "-"]
 
 
-def test_rowwise_runs_are_asked_for_by_name_and_unknown_runs_refused(tmp_path):
-    """Rowwise float8 on both sides, torchtitan's without the float8 all-gathers (tensorwise
-    only); a run name neither side has is refused in one line, before anything runs."""
+def test_more_runs_are_asked_for_by_name_and_unknown_runs_refused(tmp_path):
+    """Ours in float8 with the output layer in bf16, rowwise float8 on both sides; every
+    run name belongs to one side's table; a run name neither side has is refused in one
+    line, before anything runs."""
     import subprocess
     import sys
 
     assert titan.OURS_RUNS["fp8 rowwise"] == ["--model.float8", "rowwise"]
+    assert titan.OURS_RUNS["fp8 output-bf16"][-2:] == ["--model.float8_head", "off"]
+    assert {f"ours {n}" for n in titan.OURS_RUNS} | {
+        f"torchtitan {n}" for n in titan.TITAN_RUNS
+    } == {*titan.RUNS, *titan.MORE_RUNS}
     assert titan.TITAN_RUNS["fp8 rowwise output-bf16"] == ("rowwise", ["output"])
-    assert set(titan.ROWWISE_RUNS).isdisjoint(titan.RUNS)
+    assert set(titan.MORE_RUNS).isdisjoint(titan.RUNS)
     assert titan.chosen_runs("ours fp8 rowwise, torchtitan bf16,ours bf16,ours bf16") == (
         ["fp8 rowwise", "bf16"],
         ["bf16"],
