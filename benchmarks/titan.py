@@ -164,6 +164,18 @@ def titan_float8_flags(float8: tuple[str, list[str]] | None, gpus: int) -> list[
     return flags
 
 
+TITAN_STEP = re.compile(
+    r"(?<!validate )step:\s*(\d+)\s+loss:\s*([\d.]+).*?memory:\s*([\d.]+)GiB.*?tps: ([\d,]+)"
+)
+
+
+def titan_step_lines(log: str) -> list[dict[str, float]]:
+    """torchtitan's training step lines (its metrics logger, colours removed): step, loss,
+    tok/s a GPU and peak memory reserved; its validation lines are not step lines."""
+    return [{"step": int(s), "loss": float(loss), "tok/s": float(t.replace(",", "")),
+             "memory_gib": float(m)} for s, loss, m, t in TITAN_STEP.findall(log)]  # fmt: skip
+
+
 def run_titan(
     work: Path, site: Path, shape: dict, gpus: int, seq: int, rows: int, accum: int, steps: int,
     label: str, float8: tuple[str, list[str]] | None, val: Path | None = None,
@@ -199,13 +211,13 @@ def run_titan(
     shutil.rmtree(work / "titan-out", ignore_errors=True)
     log = re.sub(r"\x1b\[[0-9;]*m", "", r.stdout + r.stderr)
     (work / f"titan-{seq}-{label.replace(' ', '-')}.log").write_text(log)
-    logged = [{"step": int(s), "tok/s": float(t.replace(",", "")), "memory_gib": float(m)}
-            for s, m, t in re.findall(r"(?<!validate )step:\s*(\d+).*?memory:\s*([\d.]+)GiB.*?tps: ([\d,]+)", log)]  # fmt: skip
+    logged = titan_step_lines(log)
     if r.returncode or not logged:
         return {"error": failure_line(log)}
     vals = re.findall(r"validate step:\s*\d+\s+loss:\s*([\d.]+)", log)
     return {"tokens_per_s": median_steady(logged, "tok/s", steps // 3),
             "peak_gib": max(x["memory_gib"] for x in logged), "wall_s": round(wall),
+            "train_loss": quarter_means([x["loss"] for x in logged]),
             **({"val_loss": float(vals[-1])} if vals else {}),
             **({"memory": memory_md} if memory_md else {})}  # fmt: skip
 
@@ -282,8 +294,27 @@ def run_ours(
             # torchtitan logs no allocated peak: in the result line only, not the table
             "allocated_gib": max(x.get("allocated_gib", float("nan")) for x in logged),
             "setup": "; ".join([setup or "?", *read_fallbacks(out)]), "wall_s": round(wall),
+            "train_loss": quarter_means([x["loss"] for x in logged if "loss" in x]),
             **({"val_loss": float(vals[-1])} if vals else {}),
             **({"memory": md.read_text()} if memory and md.exists() else {})}  # fmt: skip
+
+
+def quarter_means(losses: list[float]) -> list[float]:
+    """The mean training loss over each quarter of a run's steps, in order (fewer than 4
+    steps: none): beside the validation loss at the last step, --quality shows whether two
+    runs' gap closes or widens."""
+    n = len(losses) // 4
+    return [round(sum(losses[i * n : (i + 1) * n]) / n, 4) for i in range(4)] if n else []
+
+
+def loss_trend(reference: dict, run: dict) -> str:
+    """The run's training loss against the reference's, quarter by quarter of the steps
+    (quarter_means): e.g. "1.031, 1.024, 1.019, 1.018", a gap that closes; "-" where either
+    has none."""
+    ref, got = reference.get("train_loss", []), run.get("train_loss", [])
+    if len(ref) != 4 or len(got) != 4:
+        return "-"
+    return ", ".join(f"{y / x:.3f}" for x, y in zip(ref, got, strict=True))
 
 
 def brief(result: dict) -> dict:
@@ -545,9 +576,9 @@ def main() -> int:
                 if "val_loss" in a and "val_loss" in b:
                     q = b["val_loss"] / a["val_loss"]
                     rows.append([seq, ref, f"{a['val_loss']:.4f}", run, f"{b['val_loss']:.4f}",
-                                 f"{q:.4f}", "yes" if abs(q - 1) <= 0.01 else "NO"])  # fmt: skip
+                                 f"{q:.4f}", "yes" if abs(q - 1) <= 0.01 else "NO", loss_trend(a, b)])  # fmt: skip
         headers = ["seq", "reference", "its val loss", "run", "its val loss", "run / reference",
-                   "within 1%"]  # fmt: skip
+                   "within 1%", "train loss by quarter of the steps, run / reference"]  # fmt: skip
         print(markdown_table(headers, rows))
     rows = [[seq, *row] for seq, r in results.items() for row in comparisons(r)]
     print("\n" + markdown_table(["seq", "comparison", "ours", "torchtitan", "ratio",

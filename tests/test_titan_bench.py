@@ -120,3 +120,32 @@ def test_torchtitan_float8_flags_follow_its_recipes():
     rowwise = titan.titan_float8_flags(titan.TITAN_RUNS["fp8 rowwise output-bf16"], 4)
     assert rowwise[rowwise.index("--quantize.linear.float8.recipe_name") + 1] == "rowwise"
     assert not any("all_gather" in f or "precompute" in f for f in rowwise)
+
+
+def test_the_quality_table_shows_the_training_loss_gap_quarter_by_quarter():
+    """--quality: beside the validation loss at the last step, the training loss's ratio over
+    each quarter of the steps (closing or widening); torchtitan's step lines give theirs."""
+    losses = [
+        8.0,
+        8.0,
+        6.0,
+        6.0,
+        5.0,
+        5.0,
+        4.0,
+        4.0,
+        9.0,
+    ]  # 9 steps: quarters of 2, the last dropped
+    assert titan.quarter_means(losses) == [8.0, 6.0, 5.0, 4.0]
+    assert titan.quarter_means([3.0, 2.0, 1.0]) == []
+    ref = {"train_loss": [8.0, 6.0, 5.0, 4.0]}
+    assert (
+        titan.loss_trend(ref, {"train_loss": [8.8, 6.3, 5.1, 4.0]}) == "1.100, 1.050, 1.020, 1.000"
+    )
+    assert titan.loss_trend(ref, {}) == "-"
+    line = ("step: 12  loss:  6.2031  grad_norm:  1.0042  memory: 51.21GiB(36.70%)  tps: 8,713  "
+            "tflops: 504.35  mfu: 51.00%")  # fmt: skip
+    assert titan.titan_step_lines(line) == [
+        {"step": 12, "loss": 6.2031, "tok/s": 8713.0, "memory_gib": 51.21}
+    ]
+    assert titan.titan_step_lines("validate step: 12  loss: 6.1 memory: 1GiB tps: 1") == []
