@@ -44,8 +44,9 @@ over the steps after the first third. A table is printed last.
 With --quality, every run trains on real text instead (the Python sources, every 20th
 document held out; ours packed by pack-shards with the same tokenizer, so at that
 tokenizer's vocabulary) with a warm-up of a tenth of --steps, and both sides report their
-validation loss at the last step on the held-out text: a float8 run counts only within 1%
-of its own side's bf16 run, e.g. `--quality --steps 300`; with --ours-variant, each
+validation loss at the last step on the held-out text (beside it, each run's training
+loss against its reference's over each quarter of the steps): a float8 run counts only
+within 1% of its own side's bf16 run, e.g. `--quality --steps 300`; with --ours-variant, each
 variant's bf16 run is held against the first's (e.g. bf16 moments against fp32 moments).
 
 With --memory-peaks, both sides also record the CUDA allocator's history on rank 0 (ours
