@@ -32,7 +32,7 @@ torchtitan (FSDP2 on one GPU, its default) in bf16 and with its float8 converter
 twice: on every linear layer, the output one included (its default), and with the output
 layer left in bf16 (`filter_fqns output`, as its llama3 recipes set it); asked for by name,
 ours in float8 with the output layer in bf16 too, and each side's float8 with a scale a
-row (MORE_RUNS). Compared: bf16 with bf16, float8 with float8, and each side's fastest
+row (OURS_RUNS, TITAN_RUNS). Compared: bf16 with bf16, float8 with float8, and each side's fastest
 run with the other's. MFU with one formula for both: 6N + 12 L H d T per token
 (N: the blocks and the output layer, the embedding lookup costing nothing; attention
 included), against 989 TFLOP/s (H100 dense bf16). Tokens/s per GPU (torchtitan logs its
@@ -81,16 +81,13 @@ from benchmarks.harness import (  # noqa: E402
 )
 
 PEAK_TFLOPS = 989.0  # H100 SXM dense bf16
-RUNS = ("ours bf16", "ours preset", "ours fp8",
-        "torchtitan bf16", "torchtitan fp8", "torchtitan fp8 output-bf16")  # fmt: skip
-MORE_RUNS = ("ours fp8 output-bf16", "ours fp8 rowwise", "torchtitan fp8 rowwise output-bf16")
-"""Runs asked for by name: ours in float8 with the whole output layer in bf16 (as
-torchtitan's recipes leave it), and float8 with a scale a row (torchao's rowwise recipe) on
-both sides: finer scales than a tensor's, slower, and without the float8 all-gathers."""
 OURS_RUNS = {"bf16": ["--model.float8_head", "off"], "preset": [],
              "fp8": ["--model.float8", "tensorwise"],
              "fp8 output-bf16": ["--model.float8", "tensorwise", "--model.float8_head", "off"],
              "fp8 rowwise": ["--model.float8", "rowwise"]}  # fmt: skip
+"""Ours' runs: the preset's flags each adds. "fp8 output-bf16" leaves the whole output layer
+in bf16, as torchtitan's recipes do; "rowwise" is torchao's recipe of a scale a row (finer
+than a tensor's, slower, and without the float8 all-gathers)."""
 TITAN_RUNS: dict[str, tuple[str, list[str]] | None] = {
     "bf16": None,
     "fp8": ("tensorwise", []),
@@ -100,6 +97,10 @@ TITAN_RUNS: dict[str, tuple[str, list[str]] | None] = {
 """torchtitan's runs: None for bf16, else its float8 converter's (recipe, `filter_fqns`):
 every linear layer (its default), and without the output layer, as its own llama3 recipes
 set `filter_fqns`."""
+ALL_RUNS = (*(f"ours {n}" for n in OURS_RUNS), *(f"torchtitan {n}" for n in TITAN_RUNS))
+RUNS = ("ours bf16", "ours preset", "ours fp8",
+        "torchtitan bf16", "torchtitan fp8", "torchtitan fp8 output-bf16")  # fmt: skip
+"""The runs without --runs; the others are asked for by name."""
 VAL_BATCHES = 20  # --quality: validation batches of --rows rows, the same for both
 ALLOC_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 TITAN_ALLOC = {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}
@@ -404,9 +405,9 @@ def chosen_runs(spec: str) -> tuple[list[str], list[str]]:
     """--runs: the names of ours' runs (OURS_RUNS) and torchtitan's (TITAN_RUNS) in the order
     given, each once (ours run first); ValueError naming any that neither side has."""
     wanted = list(dict.fromkeys(w.strip() for w in spec.split(",") if w.strip()))
-    if unknown := [w for w in wanted if w not in (*RUNS, *MORE_RUNS)]:
+    if unknown := [w for w in wanted if w not in ALL_RUNS]:
         raise ValueError(f"--runs: no run named {', '.join(map(repr, unknown))}; the runs: "
-                         f"{', '.join((*RUNS, *MORE_RUNS))}")  # fmt: skip
+                         f"{', '.join(ALL_RUNS)}")  # fmt: skip
     return ([w.removeprefix("ours ") for w in wanted if w.startswith("ours ")],
             [w.removeprefix("torchtitan ") for w in wanted if w.startswith("torchtitan ")])  # fmt: skip
 
@@ -473,7 +474,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--runs", default=",".join(RUNS),
                    help=f"which runs, comma-separated (default: {', '.join(RUNS)}; also "
-                   f"{', '.join(MORE_RUNS)})")  # fmt: skip
+                   f"{', '.join(r for r in ALL_RUNS if r not in RUNS)})")  # fmt: skip
     p.add_argument("--ours-ac", default="",
                    help="activation checkpointing policies to run each of ours with, comma-"
                    "separated (e.g. every-2,selective): one row each, named so; default: the "
