@@ -146,3 +146,46 @@ def test_the_quality_table_shows_the_training_loss_gap_quarter_by_quarter():
         {"step": 12, "loss": 6.2031, "tok/s": 8713.0, "memory_gib": 51.21}
     ]
     assert titan.titan_step_lines("validate step: 12  loss: 6.1 memory: 1GiB tps: 1") == []
+
+
+def test_main_runs_in_the_order_named_and_prints_the_quality_tables(tmp_path, monkeypatch, capsys):
+    """main() end to end with both trainers replaced by stand-ins that record their calls:
+    the runs go in the order --runs names them with each side's flags, and --quality prints
+    the validation pairs with the training loss by quarter, then the comparisons."""
+    calls = []
+
+    def fake_ours(
+        work, shape, gpus, seq, rows, accum, steps, label, extra, text=None, memory=False
+    ):
+        calls.append(("ours", label, extra))
+        fp8 = "--model.float8" in extra
+        return {"tokens_per_s": 130.0 if fp8 else 100.0, "peak_gib": 50.0, "setup": "x",
+                "val_loss": 6.30 if fp8 else 6.20,
+                "train_loss": [9.9, 8.4, 7.2, 6.4] if fp8 else [9.0, 8.0, 7.0, 6.3]}  # fmt: skip
+
+    def fake_titan(work, site, shape, gpus, seq, rows, accum, steps, label, float8, val=None,
+                   memory=False):  # fmt: skip
+        calls.append(("torchtitan", label, float8))
+        return {"tokens_per_s": 90.0, "peak_gib": 51.0, "val_loss": 6.5, "train_loss": []}
+
+    monkeypatch.setattr(titan, "run_ours", fake_ours)
+    monkeypatch.setattr(titan, "run_titan", fake_titan)
+    monkeypatch.setattr(
+        titan, "split_and_pack", lambda work, corpus, tok: (tmp_path, (tmp_path, tmp_path))
+    )
+    monkeypatch.setattr(titan, "write_text_jsonl", lambda path: path.write_text("{}\n"))
+    monkeypatch.setattr(titan, "machine_line", lambda: "machine")
+    monkeypatch.setattr(titan.sys, "argv", [
+        "titan.py", "--titan-site", str(tmp_path), "--work", str(tmp_path / "w"), "--quality",
+        "--steps", "8", "--runs", "ours fp8 output-bf16,torchtitan bf16,ours bf16"])  # fmt: skip
+    assert titan.main() == 0
+    assert calls == [
+        ("ours", "fp8-output-bf16", titan.OURS_RUNS["fp8 output-bf16"]),
+        ("ours", "bf16", titan.OURS_RUNS["bf16"]),
+        ("torchtitan", "bf16", None),
+    ]
+    out = capsys.readouterr().out
+    assert "| 2048 | ours bf16 | 6.2000 | ours fp8 output-bf16 | 6.3000 | 1.0161 | NO | " \
+        "1.100, 1.050, 1.029, 1.016 |" in out  # fmt: skip
+    assert "| 2048 | fp8 vs fp8 | ours fp8 output-bf16 | - | - | - |" in out
+    assert "| 2048 | bf16 vs bf16 | ours bf16 | torchtitan bf16 | 1.11x | -1.0 |" in out
