@@ -48,14 +48,12 @@ class KeptBytes(TorchDispatchMode):
         return sum(n for ref, n in self.made.values() if not ref.expired())
 
 
-def run(policy: str, mask: bool = False, lean: int = 0, float8: bool = False, **model):
-    """Loss, gradients and bytes kept for the backward of a 2-layer GPT (seed 0, vocabulary
-    200, d_model 64) under `policy`, on one batch of 2 x 32 tokens with about a fifth masked
-    out of the loss (seed 1); with `mask`, two documents a row (SDPA with a boolean mask);
-    `lean` blocks (ac_lean_blocks); with `float8`, the blocks' linear layers torchao's."""
+def small_gpt(policy: str, lean: int = 0, float8: bool = False, **model) -> GPT:
+    """The tests' 2-layer GPT (seed 0, vocabulary 200, d_model 64) in training mode under
+    `policy` with `lean` lean blocks (ac_lean_blocks); with `float8`, the blocks' linear
+    layers torchao's (tensorwise)."""
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=200, n_layer=2, n_head=4, d_model=64, **model)
-    m = GPT(cfg).train()
+    m = GPT(ModelConfig(vocab_size=200, n_layer=2, n_head=4, d_model=64, **model)).train()
     if float8:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -65,6 +63,14 @@ def run(policy: str, mask: bool = False, lean: int = 0, float8: bool = False, **
             module_filter_fn=lambda mod, fqn: fqn.startswith("blocks."),
         )
     m.set_activation_checkpointing(policy, lean)
+    return m
+
+
+def run(policy: str, mask: bool = False, lean: int = 0, float8: bool = False, **model):
+    """Loss, gradients and bytes kept for the backward of small_gpt(policy, lean, float8,
+    **model) on one batch of 2 x 32 tokens with about a fifth masked out of the loss (seed
+    1); with `mask`, two documents a row (SDPA with a boolean mask)."""
+    m = small_gpt(policy, lean, float8, **model)
     g = torch.Generator().manual_seed(1)
     ids, targets = torch.randint(0, 200, (2, 2, 32), generator=g)
     keep = torch.rand(2, 32, generator=g) > 0.2
@@ -295,17 +301,7 @@ def compiled_saves(lean: int, float8: bool) -> dict[str, tuple[str, torch.Tensor
 
     backend = aot_autograd(fw_compiler=keeping(forwards), bw_compiler=keeping(backwards),
                            partition_fn=min_cut_rematerialization_partition)  # fmt: skip
-    torch.manual_seed(0)
-    m = GPT(ModelConfig(vocab_size=200, n_layer=2, n_head=4, d_model=64)).train()
-    if float8:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-        convert_to_float8_training(
-            m,
-            config=Float8LinearConfig.from_recipe_name("tensorwise"),
-            module_filter_fn=lambda mod, fqn: fqn.startswith("blocks."),
-        )
-    m.set_activation_checkpointing("selective", lean)
+    m = small_gpt("selective", lean, float8)
     g = torch.Generator().manual_seed(1)
     ids, targets = torch.randint(0, 200, (2, 2, 32), generator=g)
     keep = torch.ones(2, 32, dtype=torch.bool)
