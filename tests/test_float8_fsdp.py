@@ -44,3 +44,15 @@ def test_the_scales_of_float8_all_gathered_weights_follow_each_update(tmp_path):
             torch.testing.assert_close(layer.weight._local_tensor._precomputed_scale, b / 2)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("recipe, emulated", [("rowwise", True), ("tensorwise", False)])
+def test_rowwise_compiles_with_eagers_casts(monkeypatch, recipe, emulated):
+    import torch._inductor.config as inductor_config
+
+    # The conversion itself runs on the CPU: only the GPU check is stood in for.
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    model = nn.ModuleDict({"blocks": nn.Sequential(nn.Linear(32, 32))})
+    with inductor_config.patch(emulate_precision_casts=False):  # restored on leaving
+        assert float8.convert(model, recipe, torch.device("cuda")) == 1
+        assert inductor_config.emulate_precision_casts is emulated

@@ -53,6 +53,13 @@ def convert(model: nn.Module, recipe: str, device: torch.device, fsdp: bool = Fa
         )
 
     config = Float8LinearConfig.from_recipe_name(recipe)
+    if recipe == "rowwise":
+        # Compiled, Inductor fuses rowwise's casts to float8 with their scaling and may round
+        # unlike eager; under activation checkpointing and compile rowwise then went to NaN
+        # (pytorch/pytorch#150859). torchtitan's rowwise recipe emulates eager's casts too.
+        import torch._inductor.config as inductor_config
+
+        inductor_config.emulate_precision_casts = True
     if fsdp and recipe == "tensorwise":  # torchao's float8 all-gather is per tensor only
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     before = sum(isinstance(m, nn.Linear) for m in model.modules())
