@@ -2,6 +2,7 @@
 Triton kernels against the torch path under Triton's interpreter (TRITON_INTERPRET=1, in a
 subprocess: the variable is read at import)."""
 
+import sys
 import textwrap
 
 import pytest
@@ -122,6 +123,25 @@ def test_quack_swiglu_choices(monkeypatch):
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert quack_swiglu.used(auto, cuda, bf16)  # checked before the trace
     assert not quack_swiglu.used(auto, torch.device("cuda", 2), bf16)  # never checked
+
+
+@pytest.mark.parametrize("where, runs", [("lib/python3.12/site-packages", True),
+                                         ("usr/lib/python3/dist-packages", True),
+                                         ("opt/gpu-wheels", False)])  # fmt: skip
+def test_quack_needs_the_cute_dsl_where_pip_installs_it(tmp_path, monkeypatch, where, runs):
+    """quack keys the CuTe DSL as a library only under site-packages: installed elsewhere
+    (pip --target DIR on PYTHONPATH) its MLP would stop the first step, so it is not taken,
+    and the reason names the directory (here a `cutlass` package found, not imported)."""
+    package = tmp_path / where / "cutlass"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("raise ImportError('found, never imported')\n")
+    monkeypatch.delitem(sys.modules, "cutlass", raising=False)
+    monkeypatch.syspath_prepend(str(tmp_path / where))
+    why = quack_swiglu.dsl_outside_site_packages()
+    assert (why == "") is runs, why
+    if not runs:
+        assert why.startswith("needs the CuTe DSL installed under a site-packages directory")
+        assert f"(here {package})" in why
 
 
 KERNEL_CHECK = textwrap.dedent(

@@ -23,12 +23,15 @@ Evaluation, export and sampling keep the plain MLP: the same function of the wei
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import torch
 
 from pytrain.config import ConfigError
 from pytrain.model.config import ModelConfig
 
-__all__ = ["check", "mlp", "used", "why_not"]
+__all__ = ["check", "dsl_outside_site_packages", "mlp", "used", "why_not"]
 
 HALF = (torch.bfloat16, torch.float16)
 ALIGN = 8
@@ -58,11 +61,32 @@ def why_not(device: torch.device) -> str:
             try:
                 import quack.mlp  # noqa: F401
 
-                _why[index] = ""
+                _why[index] = dsl_outside_site_packages()
             except Exception as e:  # ImportError, or the CuTe DSL's libraries failing to load
                 first = f"{type(e).__name__}: {e}".splitlines()[0][:160]
                 _why[index] = f"quack-kernels does not import ({first}): `pip install flash-attn-4`"
     return _why[index]
+
+
+def dsl_outside_site_packages() -> str:
+    """'' where the CuTe DSL (package `cutlass`, of nvidia-cutlass-dsl) lies under a
+    site-packages (or dist-packages) directory, as pip installs it into an environment;
+    else why quack's MLP cannot run. quack fingerprints its epilogues' code to cache their
+    kernels and keys functions under such a directory by name alone; elsewhere (`pip
+    install --target DIR` put on PYTHONPATH) it walks into the DSL's own globals and stops
+    the first step on one it cannot key ("TypeError: epilogue fn depends on <ContextVar
+    name='_LOC_TRANSFORMS'...>", quack-kernels 0.6.5 with nvidia-cutlass-dsl 4.8)."""
+    spec = importlib.util.find_spec("cutlass")
+    if spec is None or spec.origin is None:
+        return ""  # not installed: quack's own import says so
+    where = Path(spec.origin).parent
+    if {"site-packages", "dist-packages"} & set(where.parts):
+        return ""
+    return (
+        f"needs the CuTe DSL installed under a site-packages directory (here {where}): "
+        "install flash-attn-4 into a virtual environment, or --target a directory named "
+        "site-packages"
+    )
 
 
 def _why_not_here(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> str:
