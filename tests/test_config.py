@@ -179,7 +179,7 @@ def test_mixture_flags_toml_tables_and_help(tmp_path):
     text = build_parser().format_help()
     assert "NAME=PATH:WEIGHT" in text and "STEP:NAME=W" in text
     # A docstring's "%" as written (argparse formats help with %).
-    assert "about 0.6% of the tokens/s a block" in " ".join(text.split())
+    assert "about 0.7% of the tokens/s a block in bf16, 0.2% in float8" in " ".join(text.split())
 
 
 @pytest.mark.parametrize("world, accum", [(1, 16), (2, 8), (8, 2), (16, 1), (32, 1), (3, 5)])
