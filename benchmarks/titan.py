@@ -5,7 +5,7 @@ with torchtitan, in one command.
         [--text corpus.jsonl] [--seq 2048,4096] [--steps 40]
     PYTHONPATH=$PWD python benchmarks/titan.py --titan-site DIR --shape 8b --gpus 4 \
         --seq 8192 --rows 1 --accum 2 --steps 10 [--ours-ac every-2,selective] \
-        [--ours-variant 'bf16 moments=--optim.state_dtype bf16']
+        [--ours-variant 'bf16 moments=--optim.state_dtype bf16'] [--quality --seeds 1337,2]
 
 DIR holds torchtitan and its dependencies as pinned in benchmarks/titan.requirements.txt
 (`pip install --no-deps --target DIR` of those wheels; the GPU hosts have no network).
@@ -48,6 +48,10 @@ validation loss at the last step on the held-out text (beside it, each run's tra
 loss against its reference's over each quarter of the steps): a float8 run counts only
 within 1% of its own side's bf16 run, e.g. `--quality --steps 300`; with --ours-variant, each
 variant's bf16 run is held against the first's (e.g. bf16 moments against fp32 moments).
+At 8B and 100 steps, runs of the same settings differ by more than 1% (BENCHMARKS.md,
+"Float8's loss"): --seeds 1337,2 makes every run once per seed and the table shows each
+side's mean and its seeds' spread, a gap that half the spread could carry across 1% being
+"undecided".
 
 With --memory-peaks, both sides also record the CUDA allocator's history on rank 0 (ours
 over steps 3-4, `--profile_steps 3:5 --profile_memory`; torchtitan from its start, its
@@ -181,10 +185,10 @@ def titan_step_lines(log: str) -> list[dict[str, float]]:
 def run_titan(
     work: Path, site: Path, shape: dict, gpus: int, seq: int, rows: int, accum: int, steps: int,
     label: str, float8: tuple[str, list[str]] | None, val: Path | None = None,
-    memory: bool = False,
+    memory: bool = False, seed: int | None = None,
 ) -> dict:  # fmt: skip
     """torchtitan's trainer; `float8`: None for bf16, else (recipe, the linear layers left in
-    bf16: its `filter_fqns`)."""
+    bf16: its `filter_fqns`); `seed`: its --debug.seed (None: its default)."""
     corpus, tok = work / "titan-corpus", work / "titan-tokenizer"  # written by main()
     cmd = [*torchrun(gpus), str(Path(__file__).resolve()), "--titan-run",
            "--model.name", "llama3", "--model.flavor", shape["titan_flavor"],
@@ -195,6 +199,8 @@ def run_titan(
            "--training.seq_len", str(seq), "--training.steps", str(steps), "--metrics.log_freq", "1",
            "--compile.enable", *shape["titan_ac"], "--job.dump_folder", str(work / "titan-out")]  # fmt: skip
     cmd += titan_float8_flags(float8, gpus)
+    if seed is not None:
+        cmd += ["--debug.seed", str(seed)]
     if val is not None:  # --quality: its validation at the last step, a short warm-up
         cmd += ["--validation.enable", "--validation.dataset", "c4_test",
                 "--validation.dataset_path", str(val), "--validation.freq", str(steps),
@@ -319,6 +325,54 @@ def loss_trend(reference: dict, run: dict) -> str:
     return ", ".join(f"{y / x:.3f}" for x, y in zip(ref, got, strict=True))
 
 
+def seed_tag(seed: int | None, seeds: list[int | None]) -> str:
+    """What a run's row name gains for its seed: nothing where --seeds names one or none."""
+    return f" seed {seed}" if len(seeds) > 1 else ""
+
+
+def verdict(ratio: float, spread: float) -> str:
+    """Whether a run's mean validation loss is within 1% of its reference's: "yes" where the
+    ratio stays within 1% even moved by half the seeds' spread (the larger side's, max - min
+    over the mean), "NO" where it stays outside, else "undecided". One seed: spread 0."""
+    gap = abs(ratio - 1)
+    if gap + spread / 2 <= 0.01:
+        return "yes"
+    return "NO" if gap - spread / 2 > 0.01 else "undecided"
+
+
+def quality_rows(
+    results: dict[str, dict], pairs: list[tuple[str, str]], seeds: list[int | None]
+) -> list[list[str]]:
+    """One sequence length's --quality rows: each (reference, run) pair's validation loss
+    at the last step (the mean over the seeds that ran, and the seeds' spread where several
+    did), their ratio, the verdict, and the training loss by quarter (loss_trend) of the
+    means. Pairs where either side has no validation loss at any seed are left out."""
+
+    def over_seeds(label: str) -> tuple[list[float], dict]:
+        ran = [results.get(label + seed_tag(s, seeds), {}) for s in seeds]
+        vals = [x["val_loss"] for x in ran if "val_loss" in x]
+        quarters = [x["train_loss"] for x in ran if len(x.get("train_loss", [])) == 4]
+        mean = [sum(q) / len(quarters) for q in zip(*quarters, strict=True)] if quarters else []
+        return vals, {"train_loss": mean}
+
+    def shown(vals: list[float]) -> str:
+        mean = sum(vals) / len(vals)
+        return f"{mean:.4f}" if len(vals) == 1 else f"{mean:.4f} ({spread(vals):.1%} apart)"
+
+    def spread(vals: list[float]) -> float:
+        return (max(vals) - min(vals)) / (sum(vals) / len(vals))
+
+    rows = []
+    for ref, run in pairs:
+        (a, a_quarters), (b, b_quarters) = over_seeds(ref), over_seeds(run)
+        if not a or not b:
+            continue
+        q = (sum(b) / len(b)) / (sum(a) / len(a))
+        rows.append([ref, shown(a), run, shown(b), f"{q:.4f}",
+                     verdict(q, max(spread(a), spread(b))), loss_trend(a_quarters, b_quarters)])  # fmt: skip
+    return rows
+
+
 def brief(result: dict) -> dict:
     """A run's result line: all but the table of its memory peak (printed at the end)."""
     return {k: v for k, v in result.items() if k != "memory"}
@@ -399,6 +453,15 @@ def ours_variants(ac: str, named: list[str]) -> list[tuple[str | None, list[str]
             raise ValueError(f"--ours-variant {spec!r}: expected NAME=FLAGS")
         out.append((name.strip(), shlex.split(flags)))
     return out or [(None, [])]
+
+
+def parse_seeds(spec: str) -> list[int | None]:
+    """--seeds: the seeds in the order given, each once; [None] (each side's own) where none;
+    ValueError naming what is not a whole number."""
+    words = list(dict.fromkeys(w.strip() for w in spec.split(",") if w.strip()))
+    if bad := [w for w in words if not w.isdigit()]:
+        raise ValueError(f"--seeds: {', '.join(map(repr, bad))} not a whole number")
+    return [int(w) for w in words] or [None]
 
 
 def chosen_runs(spec: str) -> tuple[list[str], list[str]]:
@@ -496,6 +559,11 @@ def main() -> int:
                    help="every run on the text (ours: packed with the tokenizer), every 20th "
                    "document held out, the validation loss at the last step (--steps); each side's "
                    "float8 run against its bf16 run (goal: within 1%%)")  # fmt: skip
+    p.add_argument("--seeds", default="",
+                   help="each run once per seed, comma-separated (ours --seed, torchtitan "
+                   "--debug.seed), e.g. 1337,2: --quality then shows each pair's mean validation "
+                   "loss and the seeds' spread, and calls a gap undecided where the spread could "
+                   "move it across 1%%; default: each side's own seed")  # fmt: skip
     p.add_argument("--memory-peaks", action="store_true",
                    help="both sides record the allocator's history; what held each run's peak "
                    "follows the results (tokens/s then count the recording)")  # fmt: skip
@@ -505,6 +573,7 @@ def main() -> int:
     try:
         variants = ours_variants(args.ours_ac, args.ours_variant)
         ours_runs, titan_runs = chosen_runs(args.runs)
+        seeds = parse_seeds(args.seeds)
     except ValueError as e:
         p.error(str(e))
     shape = SHAPES[args.shape]
@@ -528,23 +597,26 @@ def main() -> int:
         )
     # Each side's runs once per sequence length; the comparisons pair them afterwards.
     results: dict[int, dict[str, dict]] = {}
-    for seq in (int(s) for s in args.seq.split(",")):
-        r = results[seq] = {}
+    for seq, seed in itertools.product((int(s) for s in args.seq.split(",")), seeds):
+        r = results.setdefault(seq, {})
+        tag = seed_tag(seed, seeds)  # a seed's runs all before the next seed's
+        seed_flags = [] if seed is None else ["--seed", str(seed)]
         for name, (variant, flags) in itertools.product(ours_runs, variants):
-            label = f"ours {name}" + (f" ({variant})" if variant else "")
+            label = f"ours {name}" + (f" ({variant})" if variant else "") + tag
             r[label] = run_ours(
                 work, shape, args.gpus, seq, args.rows, args.accum, args.steps,
                 re.sub(r"[^A-Za-z0-9.]+", "-", label.removeprefix("ours ")).strip("-"),
-                [*OURS_RUNS[name], *flags, *shlex.split(args.ours_flags)], ours_text,
-                args.memory_peaks,
+                [*OURS_RUNS[name], *flags, *shlex.split(args.ours_flags), *seed_flags],
+                ours_text, args.memory_peaks,
             )  # fmt: skip
             print(f"[{seq}] {label}: {brief(r[label])}", flush=True)
         for name in titan_runs:
-            r[f"torchtitan {name}"] = run_titan(
+            label = f"torchtitan {name}{tag}"
+            r[label] = run_titan(
                 work, args.titan_site, shape, args.gpus, seq, args.rows, args.accum, args.steps,
-                name, TITAN_RUNS[name], titan_val, args.memory_peaks,
+                name + tag, TITAN_RUNS[name], titan_val, args.memory_peaks, seed,
             )  # fmt: skip
-            print(f"[{seq}] torchtitan {name}: {brief(r[f'torchtitan {name}'])}", flush=True)
+            print(f"[{seq}] {label}: {brief(r[label])}", flush=True)
     where = "one GPU" if args.gpus == 1 else f"{args.gpus} GPUs, FSDP2"
     print(f"\n{shape['title']} shape on {where}, {args.rows} rows x {args.accum} "
           "micro-batches a step on each GPU; tok/s per GPU\n")  # fmt: skip
@@ -571,14 +643,10 @@ def main() -> int:
         print(f"\nvalidation loss at step {args.steps} ({VAL_BATCHES} batches of held-out text)\n")
         ours_ran = list(itertools.product(ours_runs, [v for v, _ in variants]))
         pairs = quality_pairs(ours_ran, titan_runs)
-        rows = []
-        for seq, r in results.items():
-            for ref, run in pairs:
-                a, b = r.get(ref, {}), r.get(run, {})
-                if "val_loss" in a and "val_loss" in b:
-                    q = b["val_loss"] / a["val_loss"]
-                    rows.append([seq, ref, f"{a['val_loss']:.4f}", run, f"{b['val_loss']:.4f}",
-                                 f"{q:.4f}", "yes" if abs(q - 1) <= 0.01 else "NO", loss_trend(a, b)])  # fmt: skip
+        if len(seeds) > 1:
+            print(f"(the mean over seeds {', '.join(map(str, seeds))}; within 1%: 'yes' or 'NO' "
+                  "where half the seeds' spread cannot move the ratio across 1%)\n")  # fmt: skip
+        rows = [[seq, *row] for seq, r in results.items() for row in quality_rows(r, pairs, seeds)]
         headers = ["seq", "reference", "its val loss", "run", "its val loss", "run / reference",
                    "within 1%", "train loss by quarter of the steps, run / reference"]  # fmt: skip
         print(markdown_table(headers, rows))

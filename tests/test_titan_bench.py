@@ -148,6 +148,22 @@ def test_the_quality_table_shows_the_training_loss_gap_quarter_by_quarter():
     assert titan.titan_step_lines("validate step: 12  loss: 6.1 memory: 1GiB tps: 1") == []
 
 
+def run_main(monkeypatch, tmp_path, fake_ours, fake_titan, *args: str) -> None:
+    """main() with --quality over 8 steps and `args`, both trainers and the text's
+    preparation replaced by stand-ins (`fake_ours`, `fake_titan` record their calls)."""
+    monkeypatch.setattr(titan, "run_ours", fake_ours)
+    monkeypatch.setattr(titan, "run_titan", fake_titan)
+    monkeypatch.setattr(
+        titan, "split_and_pack", lambda work, corpus, tok: (tmp_path, (tmp_path, tmp_path))
+    )
+    monkeypatch.setattr(titan, "write_text_jsonl", lambda path: path.write_text("{}\n"))
+    monkeypatch.setattr(titan, "machine_line", lambda: "machine")
+    monkeypatch.setattr(titan.sys, "argv", [
+        "titan.py", "--titan-site", str(tmp_path), "--work", str(tmp_path / "w"), "--quality",
+        "--steps", "8", *args])  # fmt: skip
+    assert titan.main() == 0
+
+
 def test_main_runs_in_the_order_named_and_prints_the_quality_tables(tmp_path, monkeypatch, capsys):
     """main() end to end with both trainers replaced by stand-ins that record their calls:
     the runs go in the order --runs names them with each side's flags, and --quality prints
@@ -164,21 +180,12 @@ def test_main_runs_in_the_order_named_and_prints_the_quality_tables(tmp_path, mo
                 "train_loss": [9.9, 8.4, 7.2, 6.4] if fp8 else [9.0, 8.0, 7.0, 6.3]}  # fmt: skip
 
     def fake_titan(work, site, shape, gpus, seq, rows, accum, steps, label, float8, val=None,
-                   memory=False):  # fmt: skip
+                   memory=False, seed=None):  # fmt: skip
         calls.append(("torchtitan", label, float8))
         return {"tokens_per_s": 90.0, "peak_gib": 51.0, "val_loss": 6.5, "train_loss": []}
 
-    monkeypatch.setattr(titan, "run_ours", fake_ours)
-    monkeypatch.setattr(titan, "run_titan", fake_titan)
-    monkeypatch.setattr(
-        titan, "split_and_pack", lambda work, corpus, tok: (tmp_path, (tmp_path, tmp_path))
-    )
-    monkeypatch.setattr(titan, "write_text_jsonl", lambda path: path.write_text("{}\n"))
-    monkeypatch.setattr(titan, "machine_line", lambda: "machine")
-    monkeypatch.setattr(titan.sys, "argv", [
-        "titan.py", "--titan-site", str(tmp_path), "--work", str(tmp_path / "w"), "--quality",
-        "--steps", "8", "--runs", "ours fp8 output-bf16,torchtitan bf16,ours bf16"])  # fmt: skip
-    assert titan.main() == 0
+    run_main(monkeypatch, tmp_path, fake_ours, fake_titan,
+             "--runs", "ours fp8 output-bf16,torchtitan bf16,ours bf16")  # fmt: skip
     assert calls == [
         ("ours", "fp8-output-bf16", titan.OURS_RUNS["fp8 output-bf16"]),
         ("ours", "bf16", titan.OURS_RUNS["bf16"]),
@@ -189,3 +196,54 @@ def test_main_runs_in_the_order_named_and_prints_the_quality_tables(tmp_path, mo
         "1.100, 1.050, 1.029, 1.016 |" in out  # fmt: skip
     assert "| 2048 | fp8 vs fp8 | ours fp8 output-bf16 | - | - | - |" in out
     assert "| 2048 | bf16 vs bf16 | ours bf16 | torchtitan bf16 | 1.11x | -1.0 |" in out
+
+
+def test_quality_over_seeds_shows_means_spreads_and_undecided_gaps(tmp_path, monkeypatch, capsys):
+    """--seeds: every run once per seed (a seed's runs before the next seed's), ours with
+    --seed and torchtitan with --debug.seed; --quality's table shows each side's mean and
+    its seeds' spread, and a gap that half the spread could move across 1% is undecided."""
+    calls = []
+    ours_loss = {("bf16", "1337"): 6.20, ("bf16", "2"): 6.30,  # 1.6% apart
+                 ("fp8 output-bf16", "1337"): 6.18, ("fp8 output-bf16", "2"): 6.26}  # fmt: skip
+
+    def fake_ours(
+        work, shape, gpus, seq, rows, accum, steps, label, extra, text=None, memory=False
+    ):
+        seed = extra[extra.index("--seed") + 1]
+        name = "fp8 output-bf16" if "--model.float8" in extra else "bf16"
+        calls.append(("ours", label, seed))
+        return {"tokens_per_s": 100.0, "peak_gib": 50.0, "setup": "x",
+                "val_loss": ours_loss[name, seed], "train_loss": [9.0, 8.0, 7.0, 6.0]}  # fmt: skip
+
+    def fake_titan(work, site, shape, gpus, seq, rows, accum, steps, label, float8, val=None,
+                   memory=False, seed=None):  # fmt: skip
+        calls.append(("torchtitan", label, str(seed)))
+        loss = 6.80 if float8 else {1337: 6.50, 2: 6.52}[seed]
+        return {"tokens_per_s": 90.0, "peak_gib": 51.0, "val_loss": loss, "train_loss": []}
+
+    run_main(monkeypatch, tmp_path, fake_ours, fake_titan, "--seeds", "1337,2", "--runs",
+             "ours bf16,ours fp8 output-bf16,torchtitan bf16,torchtitan fp8 output-bf16")  # fmt: skip
+    assert calls == [
+        ("ours", "bf16-seed-1337", "1337"), ("ours", "fp8-output-bf16-seed-1337", "1337"),
+        ("torchtitan", "bf16 seed 1337", "1337"),
+        ("torchtitan", "fp8 output-bf16 seed 1337", "1337"),
+        ("ours", "bf16-seed-2", "2"), ("ours", "fp8-output-bf16-seed-2", "2"),
+        ("torchtitan", "bf16 seed 2", "2"), ("torchtitan", "fp8 output-bf16 seed 2", "2"),
+    ]  # fmt: skip
+    out = capsys.readouterr().out
+    # ours: means 6.25 and 6.22, -0.48%, but the seeds 1.6% apart: undecided
+    assert "| 2048 | ours bf16 | 6.2500 (1.6% apart) | ours fp8 output-bf16 | 6.2200 (1.3% " \
+        "apart) | 0.9952 | undecided | 1.000, 1.000, 1.000, 1.000 |" in out  # fmt: skip
+    # torchtitan: 6.51 against 6.80, +4.5%, the seeds 0.3% apart: outside 1% whatever they do
+    assert "| 2048 | torchtitan bf16 | 6.5100 (0.3% apart) | torchtitan fp8 output-bf16 | " \
+        "6.8000 (0.0% apart) | 1.0445 | NO | - |" in out  # fmt: skip
+
+
+def test_the_verdict_weighs_the_gap_against_half_the_seeds_spread():
+    assert titan.verdict(1.004, 0.0) == "yes" and titan.verdict(0.985, 0.0) == "NO"
+    assert titan.verdict(1.003, 0.012) == "yes"  # 0.3% + 0.6% still within 1%
+    assert titan.verdict(1.004, 0.017) == "undecided"
+    assert titan.verdict(1.03, 0.017) == "NO"  # 3% - 0.85% still outside
+    assert titan.parse_seeds("") == [None] and titan.parse_seeds("2, 1337,2") == [2, 1337]
+    with pytest.raises(ValueError, match="--seeds: 'x' not a whole number"):
+        titan.parse_seeds("1,x")
