@@ -43,9 +43,9 @@ over the steps after the first third. A table is printed last.
 
 With --quality, every run trains on real text instead (the Python sources, every 20th
 document held out; ours packed by pack-shards with the same tokenizer, so at that
-tokenizer's vocabulary) with a warm-up of a tenth of --steps, and both sides report their
-validation loss at the last step on the held-out text (beside it, each run's training
-loss against its reference's over each quarter of the steps): a float8 run counts only
+tokenizer's vocabulary) with a warm-up of a tenth of --steps (--warmup N sets it), and both
+sides report their validation loss at the last step on the held-out text (beside it, each
+run's training loss against its reference's over each quarter of the steps): a float8 run counts only
 within 1% of its own side's bf16 run, e.g. `--quality --steps 300`; with --ours-variant, each
 variant's bf16 run is held against the first's (e.g. bf16 moments against fp32 moments).
 At 8B and 100 steps, runs of the same settings differ by more than 1% (BENCHMARKS.md,
@@ -114,12 +114,16 @@ variable in the shell and both sides run with it instead."""
 SHAPES = {
     "1b": {"title": "Llama-3.2-1B", "n_layer": 16, "d_model": 2048, "n_head": 32, "n_kv_head": 8,
            "mlp_hidden": 8192, "vocab": 128256, "preset": "configs/llama-1b.toml", "titan_flavor": "1B",
-           "titan_ac": ["--activation_checkpoint.mode", "none"]},
+           "titan_recipe": ["--activation_checkpoint.mode", "none"]},
     "8b": {"title": "Llama-3.1-8B", "n_layer": 32, "d_model": 4096, "n_head": 32, "n_kv_head": 8,
            "mlp_hidden": 14336, "vocab": 128256, "preset": "configs/llama-8b.toml", "titan_flavor": "8B",
-           "titan_ac": ["--activation_checkpoint.mode", "selective",
-                        "--activation_checkpoint.selective_ac_option", "op"]},
+           "titan_recipe": ["--activation_checkpoint.mode", "selective",
+                            "--activation_checkpoint.selective_ac_option", "op",
+                            "--optimizer.lr", "3e-4"]},
 }  # fmt: skip
+"""Each shape's model and torchtitan's flags from its recipe: at 8B its llama3_8b.toml's
+per-op selective checkpointing and learning rate (3e-4, as configs/llama-8b.toml; its
+trainer's default is 8e-4), which --quality's loss depends on; 0.2.2 has no 1B recipe."""
 
 
 def titan_worker(argv: list[str]) -> None:
@@ -185,10 +189,11 @@ def titan_step_lines(log: str) -> list[dict[str, float]]:
 def run_titan(
     work: Path, site: Path, shape: dict, gpus: int, seq: int, rows: int, accum: int, steps: int,
     label: str, float8: tuple[str, list[str]] | None, val: Path | None = None,
-    memory: bool = False, seed: int | None = None,
+    memory: bool = False, seed: int | None = None, warmup: int | None = None,
 ) -> dict:  # fmt: skip
     """torchtitan's trainer; `float8`: None for bf16, else (recipe, the linear layers left in
-    bf16: its `filter_fqns`); `seed`: its --debug.seed (None: its default)."""
+    bf16: its `filter_fqns`); `seed`: its --debug.seed (None: its default); `warmup`: with
+    `val` (--quality), the warm-up's steps (None: a tenth of `steps`)."""
     corpus, tok = work / "titan-corpus", work / "titan-tokenizer"  # written by main()
     cmd = [*torchrun(gpus), str(Path(__file__).resolve()), "--titan-run",
            "--model.name", "llama3", "--model.flavor", shape["titan_flavor"],
@@ -197,7 +202,7 @@ def run_titan(
            "--training.local_batch_size", str(rows),
            "--training.global_batch_size", str(rows * accum * gpus),
            "--training.seq_len", str(seq), "--training.steps", str(steps), "--metrics.log_freq", "1",
-           "--compile.enable", *shape["titan_ac"], "--job.dump_folder", str(work / "titan-out")]  # fmt: skip
+           "--compile.enable", *shape["titan_recipe"], "--job.dump_folder", str(work / "titan-out")]  # fmt: skip
     cmd += titan_float8_flags(float8, gpus)
     if seed is not None:
         cmd += ["--debug.seed", str(seed)]
@@ -205,7 +210,8 @@ def run_titan(
         cmd += ["--validation.enable", "--validation.dataset", "c4_test",
                 "--validation.dataset_path", str(val), "--validation.freq", str(steps),
                 "--validation.steps", str(VAL_BATCHES), "--validation.local_batch_size", str(rows),
-                "--validation.seq_len", str(seq), "--lr_scheduler.warmup_steps", str(steps // 10)]  # fmt: skip
+                "--validation.seq_len", str(seq), "--lr_scheduler.warmup_steps",
+                str(steps // 10 if warmup is None else warmup)]  # fmt: skip
     if memory:
         cmd += titan_memory_flags(steps)
     env = {**os.environ, "PYTHONPATH": f"{site}:{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
@@ -257,9 +263,11 @@ def peak_table(snapshot_path: Path) -> str:
 def run_ours(
     work: Path, shape: dict, gpus: int, seq: int, rows: int, accum: int, steps: int, label: str,
     extra: list[str], text: tuple[Path, Path] | None = None, memory: bool = False,
+    warmup: int | None = None,
 ) -> dict:  # fmt: skip
     """The preset on synthetic ids at Llama 3's vocabulary; with `text` (--quality), on that
-    packed train and validation text, evaluated at the last step, with a short warm-up."""
+    packed train and validation text, evaluated at the last step, with a short warm-up
+    (`warmup` steps; None: a tenth of `steps`)."""
     from pytrain import _loader
     from pytrain.train.cli import read_fallbacks, read_start_line
 
@@ -267,7 +275,8 @@ def run_ours(
     if text is not None:
         data = text[0]
         extra = [*extra, "--data.val_path", str(text[1]), "--eval_every", str(steps),
-                 "--eval_batches", str(VAL_BATCHES), "--optim.warmup_steps", str(steps // 10)]  # fmt: skip
+                 "--eval_batches", str(VAL_BATCHES), "--optim.warmup_steps",
+                 str(steps // 10 if warmup is None else warmup)]  # fmt: skip
     elif not (data / "manifest.json").exists():
         _loader.write_synthetic(str(data), 20000, mu=7.0, sigma=1.0, vocab=shape["vocab"], seed=0)
     name = f"ours-{seq}-{label}"
@@ -559,6 +568,8 @@ def main() -> int:
                    help="every run on the text (ours: packed with the tokenizer), every 20th "
                    "document held out, the validation loss at the last step (--steps); each side's "
                    "float8 run against its bf16 run (goal: within 1%%)")  # fmt: skip
+    p.add_argument("--warmup", type=int, default=None,
+                   help="--quality: both sides' warm-up, in steps (default: a tenth of --steps)")  # fmt: skip
     p.add_argument("--seeds", default="",
                    help="each run once per seed, comma-separated (ours --seed, torchtitan "
                    "--debug.seed), e.g. 1337,2: --quality then shows each pair's mean validation "
@@ -607,14 +618,14 @@ def main() -> int:
                 work, shape, args.gpus, seq, args.rows, args.accum, args.steps,
                 re.sub(r"[^A-Za-z0-9.]+", "-", label.removeprefix("ours ")).strip("-"),
                 [*OURS_RUNS[name], *flags, *shlex.split(args.ours_flags), *seed_flags],
-                ours_text, args.memory_peaks,
+                ours_text, args.memory_peaks, args.warmup,
             )  # fmt: skip
             print(f"[{seq}] {label}: {brief(r[label])}", flush=True)
         for name in titan_runs:
             label = f"torchtitan {name}{tag}"
             r[label] = run_titan(
                 work, args.titan_site, shape, args.gpus, seq, args.rows, args.accum, args.steps,
-                name + tag, TITAN_RUNS[name], titan_val, args.memory_peaks, seed,
+                name + tag, TITAN_RUNS[name], titan_val, args.memory_peaks, seed, args.warmup,
             )  # fmt: skip
             print(f"[{seq}] {label}: {brief(r[label])}", flush=True)
     where = "one GPU" if args.gpus == 1 else f"{args.gpus} GPUs, FSDP2"

@@ -148,9 +148,20 @@ def test_the_quality_table_shows_the_training_loss_gap_quarter_by_quarter():
     assert titan.titan_step_lines("validate step: 12  loss: 6.1 memory: 1GiB tps: 1") == []
 
 
-def run_main(monkeypatch, tmp_path, fake_ours, fake_titan, *args: str) -> None:
-    """main() with --quality over 8 steps and `args`, both trainers and the text's
-    preparation replaced by stand-ins (`fake_ours`, `fake_titan` record their calls)."""
+def run_main(monkeypatch, tmp_path, ours, torchtitan, *args: str) -> None:
+    """main() with --quality over 8 steps and `args`, the text's preparation and both
+    trainers replaced by stand-ins: `ours(label, extra flags, warmup)` and
+    `torchtitan(label, float8, seed, warmup)` give each run's result (the wrappers take
+    run_ours' and run_titan's arguments as main() passes them)."""
+
+    def fake_ours(work, shape, gpus, seq, rows, accum, steps, label, extra, text=None,
+                  memory=False, warmup=None):  # fmt: skip
+        return ours(label, extra, warmup)
+
+    def fake_titan(work, site, shape, gpus, seq, rows, accum, steps, label, float8, val=None,
+                   memory=False, seed=None, warmup=None):  # fmt: skip
+        return torchtitan(label, float8, seed, warmup)
+
     monkeypatch.setattr(titan, "run_ours", fake_ours)
     monkeypatch.setattr(titan, "run_titan", fake_titan)
     monkeypatch.setattr(
@@ -170,21 +181,18 @@ def test_main_runs_in_the_order_named_and_prints_the_quality_tables(tmp_path, mo
     the validation pairs with the training loss by quarter, then the comparisons."""
     calls = []
 
-    def fake_ours(
-        work, shape, gpus, seq, rows, accum, steps, label, extra, text=None, memory=False
-    ):
+    def ours(label, extra, warmup):
         calls.append(("ours", label, extra))
         fp8 = "--model.float8" in extra
         return {"tokens_per_s": 130.0 if fp8 else 100.0, "peak_gib": 50.0, "setup": "x",
                 "val_loss": 6.30 if fp8 else 6.20,
                 "train_loss": [9.9, 8.4, 7.2, 6.4] if fp8 else [9.0, 8.0, 7.0, 6.3]}  # fmt: skip
 
-    def fake_titan(work, site, shape, gpus, seq, rows, accum, steps, label, float8, val=None,
-                   memory=False, seed=None):  # fmt: skip
+    def torchtitan(label, float8, seed, warmup):
         calls.append(("torchtitan", label, float8))
         return {"tokens_per_s": 90.0, "peak_gib": 51.0, "val_loss": 6.5, "train_loss": []}
 
-    run_main(monkeypatch, tmp_path, fake_ours, fake_titan,
+    run_main(monkeypatch, tmp_path, ours, torchtitan,
              "--runs", "ours fp8 output-bf16,torchtitan bf16,ours bf16")  # fmt: skip
     assert calls == [
         ("ours", "fp8-output-bf16", titan.OURS_RUNS["fp8 output-bf16"]),
@@ -200,29 +208,29 @@ def test_main_runs_in_the_order_named_and_prints_the_quality_tables(tmp_path, mo
 
 def test_quality_over_seeds_shows_means_spreads_and_undecided_gaps(tmp_path, monkeypatch, capsys):
     """--seeds: every run once per seed (a seed's runs before the next seed's), ours with
-    --seed and torchtitan with --debug.seed; --quality's table shows each side's mean and
-    its seeds' spread, and a gap that half the spread could move across 1% is undecided."""
-    calls = []
+    --seed and torchtitan with --debug.seed, both with --warmup's warm-up; --quality's table
+    shows each side's mean and its seeds' spread, and a gap that half the spread could move
+    across 1% is undecided."""
+    calls, warmups = [], set()
     ours_loss = {("bf16", "1337"): 6.20, ("bf16", "2"): 6.30,  # 1.6% apart
                  ("fp8 output-bf16", "1337"): 6.18, ("fp8 output-bf16", "2"): 6.26}  # fmt: skip
 
-    def fake_ours(
-        work, shape, gpus, seq, rows, accum, steps, label, extra, text=None, memory=False
-    ):
+    def ours(label, extra, warmup):
         seed = extra[extra.index("--seed") + 1]
         name = "fp8 output-bf16" if "--model.float8" in extra else "bf16"
         calls.append(("ours", label, seed))
+        warmups.add(warmup)
         return {"tokens_per_s": 100.0, "peak_gib": 50.0, "setup": "x",
                 "val_loss": ours_loss[name, seed], "train_loss": [9.0, 8.0, 7.0, 6.0]}  # fmt: skip
 
-    def fake_titan(work, site, shape, gpus, seq, rows, accum, steps, label, float8, val=None,
-                   memory=False, seed=None):  # fmt: skip
+    def torchtitan(label, float8, seed, warmup):
         calls.append(("torchtitan", label, str(seed)))
+        warmups.add(warmup)
         loss = 6.80 if float8 else {1337: 6.50, 2: 6.52}[seed]
         return {"tokens_per_s": 90.0, "peak_gib": 51.0, "val_loss": loss, "train_loss": []}
 
-    run_main(monkeypatch, tmp_path, fake_ours, fake_titan, "--seeds", "1337,2", "--runs",
-             "ours bf16,ours fp8 output-bf16,torchtitan bf16,torchtitan fp8 output-bf16")  # fmt: skip
+    run_main(monkeypatch, tmp_path, ours, torchtitan, "--warmup", "3", "--seeds", "1337,2",
+             "--runs", "ours bf16,ours fp8 output-bf16,torchtitan bf16,torchtitan fp8 output-bf16")  # fmt: skip
     assert calls == [
         ("ours", "bf16-seed-1337", "1337"), ("ours", "fp8-output-bf16-seed-1337", "1337"),
         ("torchtitan", "bf16 seed 1337", "1337"),
@@ -230,6 +238,7 @@ def test_quality_over_seeds_shows_means_spreads_and_undecided_gaps(tmp_path, mon
         ("ours", "bf16-seed-2", "2"), ("ours", "fp8-output-bf16-seed-2", "2"),
         ("torchtitan", "bf16 seed 2", "2"), ("torchtitan", "fp8 output-bf16 seed 2", "2"),
     ]  # fmt: skip
+    assert warmups == {3}  # --warmup, both sides
     out = capsys.readouterr().out
     # ours: means 6.25 and 6.22, -0.48%, but the seeds 1.6% apart: undecided
     assert "| 2048 | ours bf16 | 6.2500 (1.6% apart) | ours fp8 output-bf16 | 6.2200 (1.3% " \
@@ -247,3 +256,24 @@ def test_the_verdict_weighs_the_gap_against_half_the_seeds_spread():
     assert titan.parse_seeds("") == [None] and titan.parse_seeds("2, 1337,2") == [2, 1337]
     with pytest.raises(ValueError, match="--seeds: 'x' not a whole number"):
         titan.parse_seeds("1,x")
+
+
+def test_torchtitans_8b_command_carries_its_recipe_and_the_seed(tmp_path, monkeypatch):
+    """torchtitan at 8B runs its 8B recipe's learning rate (its trainer's default is 8e-4)
+    and checkpointing, and --seeds' seed as its --debug.seed; its failure is one line."""
+    ran = []
+
+    def fake_run(cmd, **kwargs):
+        ran.append(cmd)
+        return titan.subprocess.CompletedProcess(cmd, 1, "", "Traceback ...\nValueError: no GPU")
+
+    monkeypatch.setattr(titan.subprocess, "run", fake_run)
+    out = titan.run_titan(tmp_path, tmp_path, titan.SHAPES["8b"], 4, 8192, 1, 2, 100, "bf16",
+                          None, val=tmp_path / "val.json", seed=2)  # fmt: skip
+    assert "error" in out and "ValueError: no GPU" in out["error"]
+    cmd = " ".join(ran[0])
+    for flags in ("--optimizer.lr 3e-4", "--debug.seed 2", "--activation_checkpoint.mode selective",
+                  "--training.global_batch_size 8", "--lr_scheduler.warmup_steps 10"):  # fmt: skip
+        assert flags in cmd, flags
+    titan.run_titan(tmp_path, tmp_path, titan.SHAPES["8b"], 4, 8192, 1, 2, 10, "bf16", None)
+    assert "--debug.seed" not in ran[1]  # no seed asked for: torchtitan's own
