@@ -142,6 +142,14 @@ def test_quack_needs_the_cute_dsl_where_pip_installs_it(tmp_path, monkeypatch, w
     if not runs:
         assert why.startswith("needs the CuTe DSL installed under a site-packages directory")
         assert f"(here {package})" in why
+    # 'auto' says so at the start where quack imports (device 0 here), and nothing for the
+    # GPU's or the config's own reasons (device 1), or where it was not asked for.
+    auto = ModelConfig(mlp="swiglu", fused_swiglu="auto")
+    monkeypatch.setattr(quack_swiglu, "_why", {0: why, 1: "needs a Hopper or Blackwell GPU"})
+    assert quack_swiglu.auto_note(auto, torch.device("cuda", 0)) == why
+    assert quack_swiglu.auto_note(auto, torch.device("cuda", 1)) == ""
+    on = ModelConfig(mlp="swiglu", fused_swiglu="on")
+    assert quack_swiglu.auto_note(on, torch.device("cuda", 0)) == ""
 
 
 KERNEL_CHECK = textwrap.dedent(

@@ -31,7 +31,7 @@ import torch
 from pytrain.config import ConfigError
 from pytrain.model.config import ModelConfig
 
-__all__ = ["check", "dsl_outside_site_packages", "mlp", "used", "why_not"]
+__all__ = ["auto_note", "check", "dsl_outside_site_packages", "mlp", "used", "why_not"]
 
 HALF = (torch.bfloat16, torch.float16)
 ALIGN = 8
@@ -68,6 +68,20 @@ def why_not(device: torch.device) -> str:
     return _why[index]
 
 
+def auto_note(cfg: ModelConfig, device: torch.device) -> str:
+    """Why 'auto' leaves quack's MLP out although quack-kernels imports: its CuTe DSL lies
+    outside site-packages (dsl_outside_site_packages); '' otherwise. The trainer says it at
+    the start: other reasons are the GPU's or the config's, and a missing quack is FA4's
+    install hint's to tell."""
+    if cfg.mlp != "swiglu" or cfg.fused_swiglu != "auto" or device.type != "cuda":
+        return ""
+    why = why_not(device)
+    return why if why.startswith(DSL_ELSEWHERE) else ""
+
+
+DSL_ELSEWHERE = "needs the CuTe DSL installed under a site-packages directory"
+
+
 def dsl_outside_site_packages() -> str:
     """'' where the CuTe DSL (package `cutlass`, of nvidia-cutlass-dsl) lies under a
     site-packages (or dist-packages) directory, as pip installs it into an environment;
@@ -83,9 +97,8 @@ def dsl_outside_site_packages() -> str:
     if {"site-packages", "dist-packages"} & set(where.parts):
         return ""
     return (
-        f"needs the CuTe DSL installed under a site-packages directory (here {where}): "
-        "install flash-attn-4 into a virtual environment, or --target a directory named "
-        "site-packages"
+        f"{DSL_ELSEWHERE} (here {where}): install flash-attn-4 into a virtual environment, "
+        "or --target a directory named site-packages"
     )
 
 

@@ -149,7 +149,7 @@ def _main(argv: list[str] | None, stop: StopSignals) -> int:
 
     cfg = parse_args(argv)
     apply_env_guards(cfg)
-    from pytrain.model import fused_swiglu
+    from pytrain.model import fused_swiglu, quack_swiglu
     from pytrain.train.guard import TrainingStopped
     from pytrain.train.out_of_memory import explained
     from pytrain.train.report import final_report
@@ -183,6 +183,8 @@ def _main(argv: list[str] | None, stop: StopSignals) -> int:
             trainer.say(hint)
     if why := trainer.fused_gelu_missing:
         trainer.say(f"model.fused_gelu auto: {why}; the MLP's GELU runs unfused")
+    if why := quack_swiglu.auto_note(cfg.model, trainer.device):
+        trainer.say(f"model.fused_swiglu auto: quack's MLP {why}; the SwiGLU runs as the Triton op")
     try:
         with explained(cfg, step=lambda: trainer.step + 1):
             result = trainer.fit()
