@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import shutil
 import site
 import statistics
@@ -156,11 +157,19 @@ def read_for(loader, seconds: float) -> tuple[int, float, float]:
     return tokens, time.perf_counter() - t0, time.process_time() - c0
 
 
+EXCEPTION_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception)\b.*)$")
+"""The last line of a Python traceback, as a rank prints it under torchrun (`[rank1]: `)."""
+
+
 def failure_line(output: str) -> str:
     """Why a launched run failed, in one line: the trainer's own (out of memory, a bad flag)
-    where a rank printed one, not the report torchrun prints after it; else the last line."""
+    where a rank printed one; else the first rank's exception (not the ChildFailedError
+    report torchrun prints after it, which ends in a row of '='); else the last line."""
     lines = output.strip().splitlines() or ["?"]
-    return next((x for x in lines if x.startswith("pytrain.train: ")), lines[-1])[:200]
+    if own := next((x for x in lines if x.startswith("pytrain.train: ")), None):
+        return own[:200]
+    raised = [m.group(1) for x in lines if (m := EXCEPTION_LINE.match(x))]
+    return next((x for x in raised if "ChildFailedError" not in x), lines[-1])[:200]
 
 
 def children(pid: int) -> list[int]:

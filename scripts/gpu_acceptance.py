@@ -63,7 +63,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.harness import children, kill_tree  # noqa: E402
+from benchmarks.harness import children, failure_line, kill_tree  # noqa: E402
 from pytrain.model.hf import LOGITS_TOLERANCE  # noqa: E402
 from pytrain.train.cli import read_fallbacks, read_peak_memory, read_start_line  # noqa: E402
 from pytrain.train.metrics import read_step_lines  # noqa: E402
@@ -211,7 +211,7 @@ def train_twice(row: Row, work: Path, args: list[str], first: int, total: int, l
         problems.append(f"{row.evals} evaluation(s)")
     for out in (out1, out2):
         if "Traceback" in out:
-            problems.append("traceback in output")
+            problems.append(f"traceback in output ({failure_line(out)})")
         if "recompile(s) after warm-up" in out:
             problems.append("recompiles after warm-up")
         if "flex_attention called without torch.compile" in out:
@@ -354,7 +354,7 @@ def row_fsdp_cpu_gpu(work: Path) -> Row:
     if "resuming a run saved on 2 rank(s) on 1" not in out2 or not m or m.group(1) != "20":
         problems.append("the GPU run did not resume the 2-rank checkpoint at step 20")
     if "Traceback" in out1 + out2:
-        problems.append("traceback in output")
+        problems.append(f"traceback in output ({failure_line(out1 + out2)})")
     if {1, 20, 21, 40} <= losses.keys():
         # The loss continues where the CPU left it (a model or optimizer state not loaded
         # would start again near the first step's loss).

@@ -94,13 +94,17 @@ def test_the_8b_row_trains_the_preset_on_4_ranks_then_exports_it(acc, monkeypatc
     def run(cmd, log, env=None):  # what the row launches, run as a failure
         cmds.append(cmd)
         log.write_text("")
-        return 1, ""
+        return (
+            1,
+            "[rank2]: Traceback (most recent call last):\n[rank2]: TypeError: boom\n" + "=" * 60,
+        )
 
     monkeypatch.setattr(acc, "run", run)
     monkeypatch.setattr(acc, "gpus_missing", lambda row, need: False)
     monkeypatch.setattr(acc, "synthetic_dataset", lambda w: (w / "train", w / "val"))
     row = acc.row_llama_8b(tmp_path)
     assert not row.ok and "exit codes 1, 1" in row.note
+    assert "traceback in output (TypeError: boom)" in row.note  # the rank's error, named
     first, second, export, _ = cmds
     assert first == second  # the same command resumes
     launch, cfg = launched(first)
