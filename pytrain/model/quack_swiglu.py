@@ -38,6 +38,9 @@ ALIGN = 8
 """quack's GEMMs need rows of 16 bytes (quack's own MLP module falls back to torch where a
 width is not a multiple of 8); the hidden width is a multiple of 64 already."""
 
+DSL_ELSEWHERE = "needs the CuTe DSL installed under a site-packages directory"
+"""How dsl_outside_site_packages' reason begins: auto_note tells it from the others."""
+
 _why: dict[int, str] = {}
 """Per CUDA device index: '' where quack's MLP can run, else why not. A plain dict, not
 functools.cache, for the reason pytrain.model.fused_gelu gives."""
@@ -77,9 +80,6 @@ def auto_note(cfg: ModelConfig, device: torch.device) -> str:
         return ""
     why = why_not(device)
     return why if why.startswith(DSL_ELSEWHERE) else ""
-
-
-DSL_ELSEWHERE = "needs the CuTe DSL installed under a site-packages directory"
 
 
 def dsl_outside_site_packages() -> str:
