@@ -45,9 +45,10 @@ With --quality, every run trains on real text instead (the Python sources, every
 document held out; ours packed by pack-shards with the same tokenizer, so at that
 tokenizer's vocabulary) with a warm-up of a tenth of --steps (--warmup N sets it), and both
 sides report their validation loss at the last step on the held-out text (beside it, each
-run's training loss against its reference's over each quarter of the steps): a float8 run counts only
-within 1% of its own side's bf16 run, e.g. `--quality --steps 300`; with --ours-variant, each
-variant's bf16 run is held against the first's (e.g. bf16 moments against fp32 moments).
+run's training loss against its reference's over each quarter of the steps): a float8 run
+counts only within 1% of its own side's bf16 run, e.g. `--quality --steps 300`; with
+--ours-variant, each variant's bf16 run is held against the first's (e.g. bf16 moments
+against fp32 moments).
 At 8B and 100 steps, runs of the same settings differ by more than 1% (BENCHMARKS.md,
 "Float8's loss"): --seeds 1337,2 makes every run once per seed and the table shows each
 side's mean and its seeds' spread, a gap that half the spread could carry across 1% being
@@ -72,6 +73,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from statistics import fmean
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -361,22 +363,21 @@ def quality_rows(
         ran = [results.get(label + seed_tag(s, seeds), {}) for s in seeds]
         vals = [x["val_loss"] for x in ran if "val_loss" in x]
         quarters = [x["train_loss"] for x in ran if len(x.get("train_loss", [])) == 4]
-        mean = [sum(q) / len(quarters) for q in zip(*quarters, strict=True)] if quarters else []
-        return vals, {"train_loss": mean}
+        return vals, {"train_loss": [fmean(q) for q in zip(*quarters, strict=True)]}
 
     def shown(vals: list[float]) -> str:
-        mean = sum(vals) / len(vals)
-        return f"{mean:.4f}" if len(vals) == 1 else f"{mean:.4f} ({spread(vals):.1%} apart)"
+        apart = f" ({spread(vals):.1%} apart)" if len(vals) > 1 else ""
+        return f"{fmean(vals):.4f}{apart}"
 
     def spread(vals: list[float]) -> float:
-        return (max(vals) - min(vals)) / (sum(vals) / len(vals))
+        return (max(vals) - min(vals)) / fmean(vals)
 
     rows = []
     for ref, run in pairs:
         (a, a_quarters), (b, b_quarters) = over_seeds(ref), over_seeds(run)
         if not a or not b:
             continue
-        q = (sum(b) / len(b)) / (sum(a) / len(a))
+        q = fmean(b) / fmean(a)
         rows.append([ref, shown(a), run, shown(b), f"{q:.4f}",
                      verdict(q, max(spread(a), spread(b))), loss_trend(a_quarters, b_quarters)])  # fmt: skip
     return rows
@@ -464,10 +465,15 @@ def ours_variants(ac: str, named: list[str]) -> list[tuple[str | None, list[str]
     return out or [(None, [])]
 
 
+def comma_list(spec: str) -> list[str]:
+    """A comma-separated option's words in the order given, each once."""
+    return list(dict.fromkeys(w.strip() for w in spec.split(",") if w.strip()))
+
+
 def parse_seeds(spec: str) -> list[int | None]:
     """--seeds: the seeds in the order given, each once; [None] (each side's own) where none;
     ValueError naming what is not a whole number."""
-    words = list(dict.fromkeys(w.strip() for w in spec.split(",") if w.strip()))
+    words = comma_list(spec)
     if bad := [w for w in words if not w.isdigit()]:
         raise ValueError(f"--seeds: {', '.join(map(repr, bad))} not a whole number")
     return [int(w) for w in words] or [None]
@@ -476,7 +482,7 @@ def parse_seeds(spec: str) -> list[int | None]:
 def chosen_runs(spec: str) -> tuple[list[str], list[str]]:
     """--runs: the names of ours' runs (OURS_RUNS) and torchtitan's (TITAN_RUNS) in the order
     given, each once (ours run first); ValueError naming any that neither side has."""
-    wanted = list(dict.fromkeys(w.strip() for w in spec.split(",") if w.strip()))
+    wanted = comma_list(spec)
     if unknown := [w for w in wanted if w not in ALL_RUNS]:
         raise ValueError(f"--runs: no run named {', '.join(map(repr, unknown))}; the runs: "
                          f"{', '.join(ALL_RUNS)}")  # fmt: skip

@@ -38,9 +38,6 @@ ALIGN = 8
 """quack's GEMMs need rows of 16 bytes (quack's own MLP module falls back to torch where a
 width is not a multiple of 8); the hidden width is a multiple of 64 already."""
 
-DSL_ELSEWHERE = "needs the CuTe DSL installed under a site-packages directory"
-"""How dsl_outside_site_packages' reason begins: auto_note tells it from the others."""
-
 _why: dict[int, str] = {}
 """Per CUDA device index: '' where quack's MLP can run, else why not. A plain dict, not
 functools.cache, for the reason pytrain.model.fused_gelu gives."""
@@ -79,7 +76,7 @@ def auto_note(cfg: ModelConfig, device: torch.device) -> str:
     if cfg.mlp != "swiglu" or cfg.fused_swiglu != "auto" or device.type != "cuda":
         return ""
     why = why_not(device)
-    return why if why.startswith(DSL_ELSEWHERE) else ""
+    return why if why == dsl_outside_site_packages() else ""
 
 
 def dsl_outside_site_packages() -> str:
@@ -97,8 +94,9 @@ def dsl_outside_site_packages() -> str:
     if {"site-packages", "dist-packages"} & set(where.parts):
         return ""
     return (
-        f"{DSL_ELSEWHERE} (here {where}): install flash-attn-4 into a virtual environment, "
-        "or --target a directory named site-packages"
+        f"needs the CuTe DSL installed under a site-packages directory (here {where}): "
+        "install flash-attn-4 into a virtual environment, or --target a directory named "
+        "site-packages"
     )
 
 
