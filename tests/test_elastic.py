@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch.distributed
 from conftest import SLURM, learnable_docs, slurm_job_state, write_synthetic
+from filelock import FileLock
 from test_ddp import assert_same_weights, cfg_args
 from test_run_safety import ENV, _ports, children, step_losses, train_cmd, wait_for_step
 
@@ -28,12 +29,25 @@ ROOT = Path(__file__).resolve().parent.parent
 STEPS = 60
 
 
-def _reference(small_corpus, tmp_path) -> Path:
-    """The run directory of the same 2-rank job, never interrupted."""
-    cmd = train_cmd(small_corpus, tmp_path, "whole", "--max_steps", str(STEPS), torchrun=2)
-    r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return tmp_path / "runs" / "whole"
+@pytest.fixture(scope="session")
+def reference(small_corpus, tmp_path_factory) -> Path:
+    """The run directory of the same 2-rank job, never interrupted. Made once a pytest run
+    and shared by pytest-xdist's workers (under a file lock, in the directory their temporary
+    directories share): three tests compare with it, and each run of it costs a dozen
+    CPU-seconds. Every worker's small_corpus is the same, made from the same seeds."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    work = root / "elastic-reference"
+    run, done = work / "runs" / "whole", work / "complete"
+    with FileLock(str(root / "elastic-reference.lock")):
+        if not done.exists():
+            shutil.rmtree(work, ignore_errors=True)  # a run cut short would be resumed
+            cmd = train_cmd(small_corpus, work, "whole", "--max_steps", str(STEPS), torchrun=2)
+            r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
+            assert r.returncode == 0, r.stderr[-3000:]
+            done.touch()
+    return run
 
 
 def _worker(torchrun: subprocess.Popen) -> int:
@@ -52,7 +66,9 @@ def _same_after(run: Path, reference: Path, resumed_at: int) -> None:
 
 
 @pytest.mark.slow
-def test_a_killed_rank_ends_the_attempt_and_max_restarts_resumes_the_job(small_corpus, tmp_path):
+def test_a_killed_rank_ends_the_attempt_and_max_restarts_resumes_the_job(
+    small_corpus, tmp_path, reference
+):
     run = tmp_path / "runs" / "killed"
     # torchrun's default (static) rendezvous: its store outlives the restart.
     cmd = train_cmd(small_corpus, tmp_path, "killed", "--max_steps", str(STEPS),
@@ -70,11 +86,13 @@ def test_a_killed_rank_ends_the_attempt_and_max_restarts_resumes_the_job(small_c
     resumed_at = int(m[0])
     assert resumed_at >= 10 and resumed_at % 5 == 0
     assert "connectFullMesh failed" not in err
-    _same_after(run, _reference(small_corpus, tmp_path), resumed_at)
+    _same_after(run, reference, resumed_at)
 
 
 @pytest.mark.slow
-def test_a_hung_rank_ends_the_job_after_the_timeout_and_the_rerun_resumes(small_corpus, tmp_path):
+def test_a_hung_rank_ends_the_job_after_the_timeout_and_the_rerun_resumes(
+    small_corpus, tmp_path, reference
+):
     run = tmp_path / "runs" / "hung"
     cmd = train_cmd(small_corpus, tmp_path, "hung", "--max_steps", str(STEPS), "--ckpt_every",
                     "5", "--no-ckpt_async", "--dist_timeout_s", "5", torchrun=2)  # fmt: skip
@@ -98,7 +116,7 @@ def test_a_hung_rank_ends_the_job_after_the_timeout_and_the_rerun_resumes(small_
     r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resumed from {newest} at step {stopped_at}" in r.stdout
-    _same_after(run, _reference(small_corpus, tmp_path), stopped_at)
+    _same_after(run, reference, stopped_at)
 
 
 def _two_nodes(small_corpus, tmp_path, name: str, data: tuple, *flags: str, nnodes="2"):
@@ -119,7 +137,9 @@ def _two_nodes(small_corpus, tmp_path, name: str, data: tuple, *flags: str, nnod
 
 
 @pytest.mark.slow
-def test_two_nodes_train_and_resume_like_one_and_must_read_the_same_data(small_corpus, tmp_path):
+def test_two_nodes_train_and_resume_like_one_and_must_read_the_same_data(
+    small_corpus, tmp_path, reference
+):
     train = small_corpus[0]
     copy = tmp_path / "node1-copy"
     shutil.copytree(train, copy)  # another path, the same content: allowed
@@ -132,7 +152,7 @@ def test_two_nodes_train_and_resume_like_one_and_must_read_the_same_data(small_c
             assert p.returncode == 0, out[-2000:] + err[-3000:]
     out = "".join(o for _, o, _ in results)
     assert "resumed from" in out and "at step 7" in out, out[-2000:]
-    _same_after(run, _reference(small_corpus, tmp_path), 0)  # the same losses as one node
+    _same_after(run, reference, 0)  # the same losses as one node
 
     other = tmp_path / "other"
     write_synthetic(other, learnable_docs(300, seed=9), frame_bytes=8192, dtype="uint16", vocab=256)
