@@ -61,11 +61,12 @@ test: ## every test: cargo tests + pytest (slow ones included)
 test-rust:
 	MAKEFLAGS= cargo test -q
 
-# In parallel (pytest-xdist): a worker more than the cores, as some tests wait on processes
-# they started (torchrun's rendezvous, a rank's timeout, a kill and a restart). Tests are
-# handed out one at a time in the order collected, the slow first (tests/conftest.py), so
-# that short ones fill the workers' ends.
-PYTEST_WORKERS ?= $(shell $(PYTHON) -c 'import os; print((os.cpu_count() or 1) + 1)')
+# In parallel (pytest-xdist): two workers more than the cores, as some tests wait on
+# processes they started (torchrun's rendezvous, a rank's timeout, a kill and a restart);
+# on 2 cores, 4 workers took 619 s, 3 took 667 and 5 664 (BENCHMARKS.md). Tests are handed
+# out one at a time in the order collected, the slow first (tests/conftest.py), so that
+# short ones fill the workers' ends.
+PYTEST_WORKERS ?= $(shell $(PYTHON) -c 'import os; print((os.cpu_count() or 1) + 2)')
 PYTEST = $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist load --maxschedchunk 1
 test-python: setup
 	$(PYTEST) tests
