@@ -184,8 +184,9 @@ def wrap(
             # layer through the whole forward and backward: 1 GB at 8B's vocabulary.
             fully_shard(gpt.embed, mesh=mesh, mp_policy=mp)  # type: ignore[union-attr,arg-type]
             # Its backward reads only the token ids: no second all-gather of the weight (1 GB
-            # at 8B's vocabulary) at the end of every backward.
-            gpt.embed.set_unshard_in_backward(False)  # type: ignore[union-attr,operator]
+            # at 8B's vocabulary) at the end of every backward, where torch can skip it.
+            if hasattr(gpt.embed, "set_unshard_in_backward"):  # type: ignore[union-attr]
+                gpt.embed.set_unshard_in_backward(False)  # type: ignore[union-attr,operator]
         fully_shard(model, mesh=mesh, mp_policy=mp)
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP
