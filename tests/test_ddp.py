@@ -133,8 +133,7 @@ def test_fsdp2_checkpoint_resumes_exactly_with_bf16_moments(small_corpus, tmp_pa
     # bit, and ends with the same weights, with bf16 moments (CompactAdamW), whose checkpoint
     # holds them in bf16. (With fp32 moments, the default, the same holds of FSDP2 over two
     # agents killed and restarted: tests/test_acceptance_rows.py's two-agent row on CPU ranks.)
-    moments = "bf16"
-    flags = ("--optim.state_dtype", moments)
+    flags = ("--optim.state_dtype", "bf16")
     whole = losses_by_step(torchrun_train(small_corpus, tmp_path, "whole", next(PORTS), *flags))
     torchrun_train(small_corpus, tmp_path, "cut", next(PORTS), "--halt_after", "3", *flags)
     ckpts = sorted((tmp_path / "runs" / "cut").glob("ckpt-*"))
@@ -143,7 +142,7 @@ def test_fsdp2_checkpoint_resumes_exactly_with_bf16_moments(small_corpus, tmp_pa
 
     saved = FileSystemReader(str(ckpts[-1])).read_metadata().state_dict_metadata
     dtypes = {m.properties.dtype for k, m in saved.items() if k.endswith("exp_avg_sq")}
-    assert dtypes == {torch.bfloat16 if moments == "bf16" else torch.float32}
+    assert dtypes == {torch.bfloat16}
     resumed = losses_by_step(torchrun_train(small_corpus, tmp_path, "cut", next(PORTS), *flags))
     assert len(whole) == 6 and set(resumed) >= {4, 5, 6}
     for step in (4, 5, 6):
