@@ -156,7 +156,12 @@ def wrap(
         return model
     if plan.kind == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import (
+            FSDPModule,
+            MixedPrecisionPolicy,
+            fully_shard,
+            register_fsdp_forward_method,
+        )
 
         # The mesh on the training device: FSDP2's default takes the machine's accelerator,
         # which breaks a run on the CPU (--device cpu) of a host that has GPUs. Two
@@ -185,8 +190,18 @@ def wrap(
             fully_shard(gpt.embed, mesh=mesh, mp_policy=mp)  # type: ignore[union-attr,arg-type]
             # Its backward reads only the token ids: no second all-gather of the weight (1 GB
             # at 8B's vocabulary) at the end of every backward, where torch can skip it.
-            if hasattr(gpt.embed, "set_unshard_in_backward"):  # type: ignore[union-attr]
+            skips_unshard = hasattr(FSDPModule, "set_unshard_in_backward")
+            if skips_unshard:
                 gpt.embed.set_unshard_in_backward(False)  # type: ignore[union-attr,operator]
+            if skips_unshard and gpt.uses_fused_ce(device):  # type: ignore[operator]
+                # The fused loss makes the output layer's weight gradient in the forward.
+                # As a unit of its own the layer frees its gathered weight after the loss
+                # and reduce-scatters that gradient at the backward's start, beside the
+                # last block's backward, where the root would hold both (1 GB each at 8B's
+                # vocabulary) through the backward and reduce them at its end, alone.
+                fully_shard(gpt.head, mesh=mesh, mp_policy=mp)  # type: ignore[union-attr,arg-type]
+                register_fsdp_forward_method(gpt.head, "loss")  # type: ignore[arg-type]
+                gpt.head.set_unshard_in_backward(False)  # type: ignore[union-attr,operator]
         fully_shard(model, mesh=mesh, mp_policy=mp)
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP
