@@ -200,7 +200,7 @@ def wrap(
                 # last block's backward, where the root would hold both (1 GB each at 8B's
                 # vocabulary) through the backward and reduce them at its end, alone.
                 fully_shard(gpt.head, mesh=mesh, mp_policy=mp)  # type: ignore[union-attr,arg-type]
-                register_fsdp_forward_method(gpt.head, "loss")  # type: ignore[arg-type]
+                register_fsdp_forward_method(gpt.head, "loss")  # type: ignore[union-attr,arg-type]
                 gpt.head.set_unshard_in_backward(False)  # type: ignore[union-attr,operator]
         fully_shard(model, mesh=mesh, mp_policy=mp)
         return model
