@@ -49,6 +49,7 @@ from pytrain.train.distributed import DistInfo
 
 if TYPE_CHECKING:
     from pytrain.config import TrainConfig
+    from pytrain.model.gpt import GPT
 
 AUTO_FSDP_SHARE = 0.25
 """fsdp auto: FSDP2 when the training state exceeds this share of one device's memory."""
@@ -180,28 +181,28 @@ def wrap(
             if dtype == torch.bfloat16
             else MixedPrecisionPolicy()
         )
-        gpt = model.gpt
-        for block in gpt.blocks:  # type: ignore[union-attr]
+        gpt: GPT = model.gpt  # type: ignore[assignment]
+        for block in gpt.blocks:
             fully_shard(block, mesh=mesh, mp_policy=mp)
-        if gpt.embed.weight is not gpt.head.weight:  # type: ignore[union-attr]
+        if gpt.embed.weight is not gpt.head.weight:
             # An untied embedding is a unit of its own, gathered for the lookup and freed
             # after it (as torchtitan shards it), rather than held with the root's output
             # layer through the whole forward and backward: 1 GB at 8B's vocabulary.
-            fully_shard(gpt.embed, mesh=mesh, mp_policy=mp)  # type: ignore[union-attr,arg-type]
+            embed = fully_shard(gpt.embed, mesh=mesh, mp_policy=mp)
             # Its backward reads only the token ids: no second all-gather of the weight (1 GB
             # at 8B's vocabulary) at the end of every backward, where torch can skip it.
             skips_unshard = hasattr(FSDPModule, "set_unshard_in_backward")
             if skips_unshard:
-                gpt.embed.set_unshard_in_backward(False)  # type: ignore[union-attr,operator]
-            if skips_unshard and gpt.uses_fused_ce(device):  # type: ignore[operator]
+                embed.set_unshard_in_backward(False)
+            if skips_unshard and gpt.uses_fused_ce(device):
                 # The fused loss makes the output layer's weight gradient in the forward.
                 # As a unit of its own the layer frees its gathered weight after the loss
                 # and reduce-scatters that gradient at the backward's start, beside the
                 # last block's backward, where the root would hold both (1 GB each at 8B's
                 # vocabulary) through the backward and reduce them at its end, alone.
-                fully_shard(gpt.head, mesh=mesh, mp_policy=mp)  # type: ignore[union-attr,arg-type]
-                register_fsdp_forward_method(gpt.head, "loss")  # type: ignore[union-attr,arg-type]
-                gpt.head.set_unshard_in_backward(False)  # type: ignore[union-attr,operator]
+                head = fully_shard(gpt.head, mesh=mesh, mp_policy=mp)
+                register_fsdp_forward_method(gpt.head, "loss")
+                head.set_unshard_in_backward(False)
         fully_shard(model, mesh=mesh, mp_policy=mp)
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP
