@@ -59,6 +59,30 @@ def test_the_peak_is_told_apart_by_where_its_memory_was_allocated():
     assert "Peak allocated: 1.44 GiB" in table and "| elsewhere | 0.02 | 1 |" in table
 
 
+def test_the_runner_up_is_the_highest_moment_apart_from_the_peak():
+    fwd, bwd = frame(GPT, 1, "forward"), frame(TRAINER, 2, "_forward_backward")
+    trace = [
+        alloc(1, 800 * MiB, fwd),  # the end of a forward: 800
+        alloc(2, 100 * MiB, fwd),  # 900, the runner-up
+        *free(2, 100 * MiB),
+        *free(1, 800 * MiB),  # down to 0
+        alloc(3, 950 * MiB, bwd),  # 950
+        alloc(6, 30 * MiB, bwd),  # 980: higher, but only 30 MiB above what follows
+        *free(6, 30 * MiB),
+        alloc(4, 20 * MiB, bwd),  # 970
+        alloc(5, 100 * MiB, bwd),  # 1070, the peak
+    ]
+    snap = snapshot(trace, [(1070 * MiB, "active_allocated")])
+    c = peak_composition(snap, dip=500 * MiB)
+    assert c["peak_bytes"] == 1070 * MiB and c["peak_event"] == len(trace) - 1
+    second = c["runner_up"]
+    assert second["peak_bytes"] == 900 * MiB and second["peak_event"] == 1
+    assert second["groups"] == [{"where": "gpt.py:1 forward", "bytes": 900 * MiB, "count": 2}]
+    assert "Runner-up, apart from the peak: 0.88 GiB" in format_composition(c)
+    # Memory that falls less than the dip between two humps makes them one.
+    assert peak_composition(snap, dip=1000 * MiB)["runner_up"] is None
+
+
 def test_a_window_that_only_frees_peaks_at_its_start():
     snap = snapshot(free(7, 64 * MiB), [(200 * MiB, "active_allocated")])
     c = peak_composition(snap)

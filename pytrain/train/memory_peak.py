@@ -6,7 +6,10 @@ not fit asks first: at the moment the most memory was allocated, what held it? E
 allocation made in the profiled window and alive at that moment is grouped by where it was
 made (the innermost Python frame, and the first frame in pytrain/ that led there, such as
 the trainer's backward call); what was allocated before the window (weights, optimizer
-state, anything older than the history) is one line of its own."""
+state, anything older than the history) is one line of its own. The same for the runner-up,
+the highest moment that memory falls well below before it reaches the peak (the end of a
+forward, when the peak lies in the backward): a change that lowers the peak lowers it to
+no less than that."""
 
 from __future__ import annotations
 
@@ -41,9 +44,41 @@ def _allocated_at_end(snapshot: dict, device: int) -> int:
     )
 
 
-def peak_composition(snapshot: dict, device: int = 0, top: int = 12) -> dict:
+def _timeline(trace: list[dict], free: str) -> list[int]:
+    """Bytes allocated in the window after each event (negative where the window freed
+    more than it allocated: what was there before it)."""
+    live: dict[int, int] = {}
+    cur, out = 0, []
+    for e in trace:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e["size"]
+            cur += e["size"]
+        elif e["action"] == free:
+            cur -= live.pop(e["addr"], e["size"])
+        out.append(cur)
+    return out
+
+
+def _runner_up(cur: list[int], peak_at: int, dip: int) -> int:
+    """The event of the highest moment apart from the peak: one from which memory falls by
+    at least `dip` before it climbs to the peak (such as the end of a forward when the
+    peak is in the backward); -1 where there is none."""
+    best, best_at = None, -1
+    for order in (range(peak_at - 1, -1, -1), range(peak_at + 1, len(cur))):
+        low = cur[peak_at]  # the least memory between the event and the peak
+        for i in order:
+            if cur[i] - low >= dip and (best is None or cur[i] > best):
+                best, best_at = cur[i], i
+            low = min(low, cur[i])
+    return best_at
+
+
+def peak_composition(snapshot: dict, device: int = 0, top: int = 12, dip: int = GiB // 2) -> dict:
     """{"peak_bytes", "before_window_bytes", "groups": [{"where", "bytes", "count"}] (the
-    `top` largest), "other_bytes", "other_count", "events", "peak_event"} for `device`.
+    `top` largest), "other_bytes", "other_count", "events", "peak_event", "runner_up"} for
+    `device`. "runner_up" is the same for the highest moment apart from the peak (memory
+    falls by `dip` between the two), None where there is none: the peak's rival, what a
+    change that lowers the peak meets next.
 
     The trace says what was allocated and freed in the window, not what was there before
     it; that follows from the segments' blocks at the end: allocated at the end, less what
@@ -57,32 +92,35 @@ def peak_composition(snapshot: dict, device: int = 0, top: int = 12) -> dict:
         if any(e["action"] == "free_requested" for e in trace)
         else "free_completed"
     )
-
-    def replay(until: int | None):
-        live: dict[int, tuple[int, int]] = {}  # address: (bytes, index of its alloc event)
-        cur = peak = 0
-        peak_at = -1
-        pre_freed = 0  # bytes allocated before the window and freed in it
-        for i, e in enumerate(trace if until is None else trace[: until + 1]):
-            if e["action"] == "alloc":
-                live[e["addr"]] = (e["size"], i)
-                cur += e["size"]
-                if cur > peak:
-                    peak, peak_at = cur, i
-            elif e["action"] == free:
-                if e["addr"] in live:
-                    cur -= live.pop(e["addr"])[0]
-                else:
-                    cur -= e["size"]
-                    pre_freed += e["size"]
-        return live, cur, peak, peak_at, pre_freed
-
-    _, end_delta, peak_delta, peak_at, _ = replay(None)
-    at_start = _allocated_at_end(snapshot, device) - end_delta
-    if peak_at < 0:  # nothing allocated in the window: its start was the most
+    cur = _timeline(trace, free)
+    at_start = _allocated_at_end(snapshot, device) - (cur[-1] if cur else 0)
+    peak_at = max(range(len(cur)), key=cur.__getitem__, default=-1)
+    if peak_at < 0 or cur[peak_at] <= 0:  # nothing allocated in the window: its start was the most
         return {"peak_bytes": at_start, "before_window_bytes": at_start, "groups": [],
-                "other_bytes": 0, "other_count": 0, "events": len(trace), "peak_event": -1}  # fmt: skip
-    live, _, _, _, pre_freed = replay(peak_at)
+                "other_bytes": 0, "other_count": 0, "events": len(trace), "peak_event": -1,
+                "runner_up": None}  # fmt: skip
+    second = _runner_up(cur, peak_at, dip)
+    return {
+        **_held_at(trace, free, peak_at, at_start, top),
+        "events": len(trace),
+        "runner_up": None if second < 0 else _held_at(trace, free, second, at_start, top),
+    }
+
+
+def _held_at(trace: list[dict], free: str, at: int, at_start: int, top: int) -> dict:
+    """What was allocated after event `at`, grouped by where."""
+    live: dict[int, tuple[int, int]] = {}  # address: (bytes, index of its alloc event)
+    cur = pre_freed = 0  # pre_freed: bytes allocated before the window and freed in it
+    for i, e in enumerate(trace[: at + 1]):
+        if e["action"] == "alloc":
+            live[e["addr"]] = (e["size"], i)
+            cur += e["size"]
+        elif e["action"] == free:
+            if e["addr"] in live:
+                cur -= live.pop(e["addr"])[0]
+            else:
+                cur -= e["size"]
+                pre_freed += e["size"]
     sizes: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for size, i in live.values():  # placed only now: one stack per live block, not per event
         place = where(trace[i].get("frames") or [])
@@ -90,23 +128,30 @@ def peak_composition(snapshot: dict, device: int = 0, top: int = 12) -> dict:
         sizes[place][1] += 1
     ranked = sorted(sizes.items(), key=lambda kv: -kv[1][0])
     return {
-        "peak_bytes": at_start + peak_delta,
+        "peak_bytes": at_start + cur,
         "before_window_bytes": at_start - pre_freed,
         "groups": [{"where": w, "bytes": b, "count": n} for w, (b, n) in ranked[:top]],
         "other_bytes": sum(b for _, (b, _) in ranked[top:]),
         "other_count": sum(n for _, (_, n) in ranked[top:]),
-        "events": len(trace),
-        "peak_event": peak_at,
+        "peak_event": at,
     }
 
 
 def format_composition(c: dict) -> str:
-    """The composition as Markdown: the peak, then what held it, largest first."""
+    """The composition as Markdown: the peak, then what held it, largest first; then the
+    same for the runner-up, where there is one."""
+    out = _format_held(c, "Peak allocated", c["events"])
+    if c.get("runner_up"):
+        out += "\n\n" + _format_held(c["runner_up"], "Runner-up, apart from the peak", c["events"])
+    return out
+
+
+def _format_held(c: dict, title: str, events: int) -> str:
     rows = [
-        f"Peak allocated: {c['peak_bytes'] / GiB:.2f} GiB (event {c['peak_event']} of "
-        f"{c['events']} in the allocator's history)",
+        f"{title}: {c['peak_bytes'] / GiB:.2f} GiB (event {c['peak_event']} of "
+        f"{events} in the allocator's history)",
         "",
-        "| held at the peak | GiB | allocations |",
+        "| held at that moment | GiB | allocations |",
         "|---|---|---|",
         f"| allocated before the profiled window (weights, optimizer state, ...) | "
         f"{c['before_window_bytes'] / GiB:.2f} | - |",
