@@ -15,12 +15,13 @@ at start-up and said in one line, and the wrapping itself.
 - `ddp`: torch's DistributedDataParallel, where the parameters are fp32 (fp32 or fp16 runs,
   `--optim.master_weights off`, Muon): it averages gradients on the last micro-batch
   (`no_sync` before), in buckets that overlap the backward.
-- `fsdp2`: FSDP2's `fully_shard` per block (and on an untied embedding): each rank holds a
-  shard of the parameters, gradients and optimizer state; with bf16, parameters are
-  gathered in bf16 and gradients reduce-scattered in fp32 after every micro-batch's
-  backward (its MixedPrecisionPolicy, as torchtitan sets it; `no_sync` below says why every
-  micro-batch). Over several nodes it is HSDP: a 2-D device mesh (replicate x shard), FSDP2
-  within each group of `fsdp_shard_size` ranks and the groups replicas of each other.
+- `fsdp2`: FSDP2's `fully_shard` per block (and, untied, on the embedding and the fused
+  loss's output layer): each rank holds a shard of the parameters, gradients and optimizer
+  state; with bf16, parameters are gathered in bf16 and gradients reduce-scattered in fp32
+  after every micro-batch's backward (its MixedPrecisionPolicy, as torchtitan sets it;
+  `no_sync` below says why every micro-batch). Over several nodes it is HSDP: a 2-D device
+  mesh (replicate x shard), FSDP2 within each group of `fsdp_shard_size` ranks and the
+  groups replicas of each other.
   Gradients are reduce-scattered within a group and the shards all-reduced between the
   groups, so the per-block all-gathers of the forward and backward stay on a node's links
   (NVLink) and only one all-reduce of a shard's gradients a step crosses the network.
