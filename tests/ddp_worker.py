@@ -48,7 +48,6 @@ torch.save(
         "plan": t.plan.kind,
         # FSDP2: whether the embedding is a unit of its own (gathered for the lookup only)
         "embed_unit": type(t.gpt.embed).__name__.startswith("FSDP"),
-        "head_unit": type(t.gpt.head).__name__.startswith("FSDP"),
         "denom": denom,
         "all_gathers": gathers,
         # after the step every weight is a shard again (held or not while it ran)

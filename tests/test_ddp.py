@@ -39,9 +39,8 @@ def test_two_process_gloo_matches_single_process(small_corpus, tmp_path, wrapper
     # fsdp2-selective: every block recomputed in the backward inside FSDP2's hooks (the
     # checkpoint sits in Block.forward), its gradients those of one process without it.
     selective = ["--fsdp", "--activation_checkpointing", "selective"]
-    # fsdp2-untied: the embedding apart from the output layer, a unit of FSDP2's own, and
-    # with the fused loss the output layer a unit of its own too.
-    untied = ["--model.tie_embeddings", "false", "--model.fused_ce", "on"]
+    # fsdp2-untied: the embedding apart from the output layer, a unit of FSDP2's own.
+    untied = ["--model.tie_embeddings", "false"]
     # fsdp2-held: the gathered weights kept through the step (fsdp_hold_weights).
     held = ["--fsdp", "--fsdp_hold_weights", "true"]
     flags = {"ddp": [], "fsdp2": ["--fsdp"], "fsdp2-selective": selective,
@@ -59,16 +58,14 @@ def test_two_process_gloo_matches_single_process(small_corpus, tmp_path, wrapper
     assert ranks[0]["loader_state"] == ranks[1]["loader_state"]  # one state for every rank
     assert ranks[0]["plan"] == wrapper.split("-")[0]
     assert ranks[0]["embed_unit"] == (wrapper == "fsdp2-untied")
-    assert ranks[0]["head_unit"] == (wrapper == "fsdp2-untied")
     if wrapper in ("fsdp2", "fsdp2-held", "fsdp2-untied"):
         # 3 units (2 blocks, the root): the blocks gathered for each forward and backward
         # and the root for each forward, 5 a micro-batch, 2 micro-batches; or, held, once
-        # each in the step. Untied, the embedding and the output layer (whose fused loss
-        # makes its gradient in the forward) are a fourth and a fifth, each gathered for
-        # its forward only (not for the backward): 7 a micro-batch. Either way the step
-        # ends with the weights sharded.
+        # each in the step. Untied, the embedding is a fourth, gathered for its forward
+        # only (its backward reads the token ids alone): 6 a micro-batch. Either way the
+        # step ends with the weights sharded.
         assert (
-            ranks[0]["all_gathers"] == {"fsdp2": 10, "fsdp2-held": 3, "fsdp2-untied": 14}[wrapper]
+            ranks[0]["all_gathers"] == {"fsdp2": 10, "fsdp2-held": 3, "fsdp2-untied": 12}[wrapper]
         )
         assert ranks[0]["resharded"]
     # All-reduced gradients are the same on both ranks ...

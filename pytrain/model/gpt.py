@@ -239,16 +239,6 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-class OutputLayer(nn.Linear):
-    """The output layer (the model's `head`): logits through forward, and in training
-    with the fused loss (pytrain.model.fused_ce) the output layer and its loss as one op,
-    `loss`. A method of the layer's own so that FSDP2 can shard the layer as a unit of its
-    own and gather its weight for `loss` as for forward (pytrain.train.parallel)."""
-
-    def loss(self, x: torch.Tensor, targets: torch.Tensor, fp8: bool) -> torch.Tensor:
-        return fused_ce.linear_cross_entropy(x, self.weight, targets, fp8=fp8)
-
-
 class GPT(nn.Module):
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
@@ -261,7 +251,7 @@ class GPT(nn.Module):
         self.embed = nn.Embedding(self.vocab, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.head = OutputLayer(cfg.d_model, self.vocab, bias=False)
+        self.head = nn.Linear(cfg.d_model, self.vocab, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
         # RoPE's (cos, sin) tables, filled by fill_rope_tables (init_weights calls it).
@@ -434,7 +424,7 @@ class GPT(nn.Module):
         if self.training and torch.is_grad_enabled() and self.uses_fused_ce(h.device):
             x = h.flatten(0, 1).to(compute_dtype(h))
             fp8 = self.uses_float8_head(h.device)
-            return self.head.loss(x, targets, fp8)
+            return fused_ce.linear_cross_entropy(x, self.head.weight, targets, fp8=fp8)
         logits = self.head(h)
         return F.cross_entropy(
             logits.flatten(0, 1), targets, ignore_index=fused_ce.IGNORE_INDEX, reduction="sum"

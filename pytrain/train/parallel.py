@@ -15,13 +15,12 @@ at start-up and said in one line, and the wrapping itself.
 - `ddp`: torch's DistributedDataParallel, where the parameters are fp32 (fp32 or fp16 runs,
   `--optim.master_weights off`, Muon): it averages gradients on the last micro-batch
   (`no_sync` before), in buckets that overlap the backward.
-- `fsdp2`: FSDP2's `fully_shard` per block (and, untied, on the embedding and the fused
-  loss's output layer): each rank holds a shard of the parameters, gradients and optimizer
-  state; with bf16, parameters are gathered in bf16 and gradients reduce-scattered in fp32
-  after every micro-batch's backward (its MixedPrecisionPolicy, as torchtitan sets it;
-  `no_sync` below says why every micro-batch). Over several nodes it is HSDP: a 2-D device
-  mesh (replicate x shard), FSDP2 within each group of `fsdp_shard_size` ranks and the
-  groups replicas of each other.
+- `fsdp2`: FSDP2's `fully_shard` per block (and on an untied embedding): each rank holds a
+  shard of the parameters, gradients and optimizer state; with bf16, parameters are
+  gathered in bf16 and gradients reduce-scattered in fp32 after every micro-batch's
+  backward (its MixedPrecisionPolicy, as torchtitan sets it; `no_sync` below says why every
+  micro-batch). Over several nodes it is HSDP: a 2-D device mesh (replicate x shard), FSDP2
+  within each group of `fsdp_shard_size` ranks and the groups replicas of each other.
   Gradients are reduce-scattered within a group and the shards all-reduced between the
   groups, so the per-block all-gathers of the forward and backward stay on a node's links
   (NVLink) and only one all-reduce of a shard's gradients a step crosses the network.
@@ -50,7 +49,6 @@ from pytrain.train.distributed import DistInfo
 
 if TYPE_CHECKING:
     from pytrain.config import TrainConfig
-    from pytrain.model.gpt import GPT
 
 AUTO_FSDP_SHARE = 0.25
 """fsdp auto: FSDP2 when the training state exceeds this share of one device's memory."""
@@ -158,12 +156,7 @@ def wrap(
         return model
     if plan.kind == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import (
-            FSDPModule,
-            MixedPrecisionPolicy,
-            fully_shard,
-            register_fsdp_forward_method,
-        )
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         # The mesh on the training device: FSDP2's default takes the machine's accelerator,
         # which breaks a run on the CPU (--device cpu) of a host that has GPUs. Two
@@ -182,28 +175,18 @@ def wrap(
             if dtype == torch.bfloat16
             else MixedPrecisionPolicy()
         )
-        gpt: GPT = model.gpt  # type: ignore[assignment]
-        for block in gpt.blocks:
+        gpt = model.gpt
+        for block in gpt.blocks:  # type: ignore[union-attr]
             fully_shard(block, mesh=mesh, mp_policy=mp)
-        if gpt.embed.weight is not gpt.head.weight:
+        if gpt.embed.weight is not gpt.head.weight:  # type: ignore[union-attr]
             # An untied embedding is a unit of its own, gathered for the lookup and freed
             # after it (as torchtitan shards it), rather than held with the root's output
             # layer through the whole forward and backward: 1 GB at 8B's vocabulary.
-            embed = fully_shard(gpt.embed, mesh=mesh, mp_policy=mp)
+            fully_shard(gpt.embed, mesh=mesh, mp_policy=mp)  # type: ignore[union-attr,arg-type]
             # Its backward reads only the token ids: no second all-gather of the weight (1 GB
             # at 8B's vocabulary) at the end of every backward, where torch can skip it.
-            skips_unshard = hasattr(FSDPModule, "set_unshard_in_backward")
-            if skips_unshard:
-                embed.set_unshard_in_backward(False)
-            if skips_unshard and gpt.uses_fused_ce(device):
-                # The fused loss makes the output layer's weight gradient in the forward.
-                # As a unit of its own the layer frees its gathered weight after the loss
-                # and reduce-scatters that gradient at the backward's start, beside the
-                # last block's backward, where the root would hold both (1 GB each at 8B's
-                # vocabulary) through the backward and reduce them at its end, alone.
-                head = fully_shard(gpt.head, mesh=mesh, mp_policy=mp)
-                register_fsdp_forward_method(gpt.head, "loss")
-                head.set_unshard_in_backward(False)
+            if hasattr(gpt.embed, "set_unshard_in_backward"):  # type: ignore[union-attr]
+                gpt.embed.set_unshard_in_backward(False)  # type: ignore[union-attr,operator]
         fully_shard(model, mesh=mesh, mp_policy=mp)
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP
