@@ -83,6 +83,25 @@ def test_the_runner_up_is_the_highest_moment_apart_from_the_peak():
     assert peak_composition(snap, dip=1000 * MiB)["runner_up"] is None
 
 
+def test_the_runner_up_is_not_the_peak_again_in_another_step():
+    fwd, bwd = frame(GPT, 1, "forward"), frame(TRAINER, 2, "_forward_backward")
+    step = [
+        alloc(1, 800 * MiB, fwd), alloc(2, 100 * MiB, fwd),  # the forward's end: 900
+        *free(2, 100 * MiB), *free(1, 800 * MiB),
+        alloc(3, 950 * MiB, bwd), alloc(4, 120 * MiB, bwd),  # the backward's peak: 1070
+        *free(4, 120 * MiB), alloc(5, 90 * MiB, bwd),  # 1040, much as at the peak
+        *free(5, 90 * MiB), *free(3, 950 * MiB),
+    ]  # fmt: skip
+    snap = snapshot(step + step, [(64 * MiB, "inactive")])  # two steps, nothing left
+    c = peak_composition(snap, dip=500 * MiB)
+    assert c["peak_bytes"] == 1070 * MiB and c["peak_event"] == 7  # the first step's
+    # The second step's 1070 and 1040 are held by what held the peak: passed over.
+    assert c["runner_up"]["peak_bytes"] == 900 * MiB
+    assert c["runner_up"]["groups"] == [
+        {"where": "gpt.py:1 forward", "bytes": 900 * MiB, "count": 2}
+    ]
+
+
 def test_a_window_that_only_frees_peaks_at_its_start():
     snap = snapshot(free(7, 64 * MiB), [(200 * MiB, "active_allocated")])
     c = peak_composition(snap)

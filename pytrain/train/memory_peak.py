@@ -7,13 +7,13 @@ allocation made in the profiled window and alive at that moment is grouped by wh
 made (the innermost Python frame, and the first frame in pytrain/ that led there, such as
 the trainer's backward call); what was allocated before the window (weights, optimizer
 state, anything older than the history) is one line of its own. The same for the runner-up,
-the highest moment that memory falls well below before it reaches the peak (the end of a
-forward, when the peak lies in the backward): a change that lowers the peak lowers it to
-no less than that."""
+the highest moment that memory falls well below before it reaches the peak and at which
+other things hold it (the end of a forward, when the peak lies in the backward; not the
+peak's moment in the next step): a change that lowers the peak lowers it to no less than
+that."""
 
 from __future__ import annotations
 
-from collections import defaultdict
 from pathlib import PurePath
 
 GiB = 2**30
@@ -59,26 +59,30 @@ def _timeline(trace: list[dict], free: str) -> list[int]:
     return out
 
 
-def _runner_up(cur: list[int], peak_at: int, dip: int) -> int:
-    """The event of the highest moment apart from the peak: one from which memory falls by
-    at least `dip` before it climbs to the peak (such as the end of a forward when the
-    peak is in the backward); -1 where there is none."""
-    best, best_at = None, -1
+def _apart(cur: list[int], peak_at: int, dip: int) -> list[int]:
+    """The events from which memory falls by at least `dip` before it climbs to the peak,
+    highest first."""
+    out = []
     for order in (range(peak_at - 1, -1, -1), range(peak_at + 1, len(cur))):
         low = cur[peak_at]  # the least memory between the event and the peak
         for i in order:
-            if cur[i] - low >= dip and (best is None or cur[i] > best):
-                best, best_at = cur[i], i
+            if cur[i] - low >= dip:
+                out.append(i)
             low = min(low, cur[i])
-    return best_at
+    return sorted(out, key=lambda i: -cur[i])
+
+
+MAX_RIVALS = 200
+"""Moments compared with the peak in the search for its runner-up, at most."""
 
 
 def peak_composition(snapshot: dict, device: int = 0, top: int = 12, dip: int = GiB // 2) -> dict:
     """{"peak_bytes", "before_window_bytes", "groups": [{"where", "bytes", "count"}] (the
     `top` largest), "other_bytes", "other_count", "events", "peak_event", "runner_up"} for
     `device`. "runner_up" is the same for the highest moment apart from the peak (memory
-    falls by `dip` between the two), None where there is none: the peak's rival, what a
-    change that lowers the peak meets next.
+    falls by `dip` between the two) and held by other things (`dip` bytes of it, so not
+    the peak's moment in another step), None where there is none: what a change that
+    lowers the peak meets next.
 
     The trace says what was allocated and freed in the window, not what was there before
     it; that follows from the segments' blocks at the end: allocated at the end, less what
@@ -99,18 +103,29 @@ def peak_composition(snapshot: dict, device: int = 0, top: int = 12, dip: int = 
         return {"peak_bytes": at_start, "before_window_bytes": at_start, "groups": [],
                 "other_bytes": 0, "other_count": 0, "events": len(trace), "peak_event": -1,
                 "runner_up": None}  # fmt: skip
-    second = _runner_up(cur, peak_at, dip)
+    peak = _live(trace, free, peak_at)
+    second = None
+    # The highest moment apart from the peak whose memory is held by other things (at
+    # least `dip` bytes of it): not the same moment of another step.
+    for i in _apart(cur, peak_at, dip)[:MAX_RIVALS]:
+        rival = _live(trace, free, i)
+        places = peak[2].keys() | rival[2].keys()
+        if sum(abs(peak[2].get(w, (0,))[0] - rival[2].get(w, (0,))[0]) for w in places) >= dip:
+            second = (i, rival)
+            break
     return {
-        **_held_at(trace, free, peak_at, at_start, top),
+        **_held(peak_at, peak, at_start, top),
         "events": len(trace),
-        "runner_up": None if second < 0 else _held_at(trace, free, second, at_start, top),
+        "runner_up": None if second is None else _held(*second, at_start, top),
     }
 
 
-def _held_at(trace: list[dict], free: str, at: int, at_start: int, top: int) -> dict:
-    """What was allocated after event `at`, grouped by where."""
+def _live(trace: list[dict], free: str, at: int) -> tuple[int, int, dict[str, tuple[int, int]]]:
+    """After event `at`: bytes the window added, bytes allocated before it and freed in it,
+    and what the window's live allocations hold by where they were made, {where: (bytes,
+    count)}."""
     live: dict[int, tuple[int, int]] = {}  # address: (bytes, index of its alloc event)
-    cur = pre_freed = 0  # pre_freed: bytes allocated before the window and freed in it
+    cur = pre_freed = 0
     for i, e in enumerate(trace[: at + 1]):
         if e["action"] == "alloc":
             live[e["addr"]] = (e["size"], i)
@@ -121,11 +136,16 @@ def _held_at(trace: list[dict], free: str, at: int, at_start: int, top: int) -> 
             else:
                 cur -= e["size"]
                 pre_freed += e["size"]
-    sizes: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    sizes: dict[str, tuple[int, int]] = {}
     for size, i in live.values():  # placed only now: one stack per live block, not per event
         place = where(trace[i].get("frames") or [])
-        sizes[place][0] += size
-        sizes[place][1] += 1
+        b, n = sizes.get(place, (0, 0))
+        sizes[place] = (b + size, n + 1)
+    return cur, pre_freed, sizes
+
+
+def _held(at: int, live: tuple[int, int, dict], at_start: int, top: int) -> dict:
+    cur, pre_freed, sizes = live
     ranked = sorted(sizes.items(), key=lambda kv: -kv[1][0])
     return {
         "peak_bytes": at_start + cur,
