@@ -59,21 +59,23 @@ def _timeline(trace: list[dict], free: str) -> list[int]:
     return out
 
 
-def _apart(cur: list[int], peak_at: int, dip: int) -> list[int]:
-    """The events from which memory falls by at least `dip` before it climbs to the peak,
-    highest first."""
-    out = []
-    for order in (range(peak_at - 1, -1, -1), range(peak_at + 1, len(cur))):
-        low = cur[peak_at]  # the least memory between the event and the peak
-        for i in order:
-            if cur[i] - low >= dip:
-                out.append(i)
-            low = min(low, cur[i])
-    return sorted(out, key=lambda i: -cur[i])
-
-
-MAX_RIVALS = 200
-"""Moments compared with the peak in the search for its runner-up, at most."""
+def _hump_tops(cur: list[int], dip: int) -> list[int]:
+    """The highest event of each hump of the timeline, humps being cut where memory falls
+    `dip` below a hump's top and then climbs `dip` again."""
+    tops: list[int] = []
+    top, valley = 0, None  # the hump's highest event so far; the low since it fell `dip`
+    for i, c in enumerate(cur):
+        if valley is None:
+            if c > cur[top]:
+                top = i
+            elif c <= cur[top] - dip:
+                valley = c
+        elif c < valley:
+            valley = c
+        elif c >= valley + dip:
+            tops.append(top)
+            top, valley = i, None
+    return [*tops, top] if cur else []
 
 
 def peak_composition(snapshot: dict, device: int = 0, top: int = 12, dip: int = GiB // 2) -> dict:
@@ -103,12 +105,13 @@ def peak_composition(snapshot: dict, device: int = 0, top: int = 12, dip: int = 
         return {"peak_bytes": at_start, "before_window_bytes": at_start, "groups": [],
                 "other_bytes": 0, "other_count": 0, "events": len(trace), "peak_event": -1,
                 "runner_up": None}  # fmt: skip
-    peak = _live(trace, free, peak_at)
+    stacks: dict[int, str] = {}  # alloc event: where, each stack read once
+    peak = _live(trace, free, peak_at, stacks)
     second = None
-    # The highest moment apart from the peak whose memory is held by other things (at
-    # least `dip` bytes of it): not the same moment of another step.
-    for i in _apart(cur, peak_at, dip)[:MAX_RIVALS]:
-        rival = _live(trace, free, i)
+    # The highest other hump whose memory is held by other things (at least `dip` bytes of
+    # it): not the peak's moment in another step.
+    for i in sorted((t for t in _hump_tops(cur, dip) if t != peak_at), key=lambda t: -cur[t]):
+        rival = _live(trace, free, i, stacks)
         places = peak[2].keys() | rival[2].keys()
         if sum(abs(peak[2].get(w, (0,))[0] - rival[2].get(w, (0,))[0]) for w in places) >= dip:
             second = (i, rival)
@@ -120,7 +123,9 @@ def peak_composition(snapshot: dict, device: int = 0, top: int = 12, dip: int = 
     }
 
 
-def _live(trace: list[dict], free: str, at: int) -> tuple[int, int, dict[str, tuple[int, int]]]:
+def _live(
+    trace: list[dict], free: str, at: int, stacks: dict[int, str]
+) -> tuple[int, int, dict[str, tuple[int, int]]]:
     """After event `at`: bytes the window added, bytes allocated before it and freed in it,
     and what the window's live allocations hold by where they were made, {where: (bytes,
     count)}."""
@@ -138,7 +143,9 @@ def _live(trace: list[dict], free: str, at: int) -> tuple[int, int, dict[str, tu
                 pre_freed += e["size"]
     sizes: dict[str, tuple[int, int]] = {}
     for size, i in live.values():  # placed only now: one stack per live block, not per event
-        place = where(trace[i].get("frames") or [])
+        if i not in stacks:
+            stacks[i] = where(trace[i].get("frames") or [])
+        place = stacks[i]
         b, n = sizes.get(place, (0, 0))
         sizes[place] = (b + size, n + 1)
     return cur, pre_freed, sizes
