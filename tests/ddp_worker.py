@@ -46,6 +46,7 @@ torch.save(
         ],
         "grads": grads,
         "plan": t.plan.kind,
+        "plan_line": t.plan.line,  # the start-up line: what was chosen and why
         # FSDP2: whether the embedding is a unit of its own (gathered for the lookup only)
         "embed_unit": type(t.gpt.embed).__name__.startswith("FSDP"),
         "denom": denom,

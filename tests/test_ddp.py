@@ -103,6 +103,25 @@ def test_two_process_gloo_matches_single_process(small_corpus, tmp_path, wrapper
             assert not [n for n in threads if "gloo" in n], (i, threads)
 
 
+@pytest.mark.slow
+def test_fsdp2_reduces_gradients_in_bf16_where_asked(small_corpus, tmp_path):
+    # One bf16 micro-batch a rank under FSDP2: each rank's gradients are bf16 (its weights
+    # gathered in bf16). Summed over the ranks in fp32, FSDP2's default, few of the sums are
+    # bf16 values; reduced in bf16 (fsdp_reduce_dtype) every one is, up to the sum's order.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent.parent)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={next(PORTS)}",
+           str(Path(__file__).parent / "ddp_worker.py"), str(tmp_path), *cfg_args(small_corpus, tmp_path),
+           "--optim.grad_accum", "1", "--fsdp", "--precision", "bf16", "--fsdp_reduce_dtype", "bf16"]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rank0 = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    assert "gradients reduced in bf16 (fsdp_reduce_dtype)" in rank0["plan_line"]
+    for name, g in rank0["grads"].items():
+        assert g.dtype == torch.float32, name  # the shards accumulate in fp32
+        assert torch.equal(g, g.bfloat16().float()), name
+        assert g.abs().sum() > 0, name
+
+
 def assert_same_weights(run: Path, reference: Path, step: int) -> None:
     """The newest checkpoints of two run directories are of `step` and hold the same model
     weights, bit for bit (a sharded checkpoint read whole)."""

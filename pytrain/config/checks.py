@@ -23,6 +23,7 @@ CHOICES = {
     "optim.schedule": ("cosine", "linear", "constant", "wsd"),
     "optim.master_weights": ("auto", "on", "off"),
     "optim.state_dtype": ("fp32", "bf16"),
+    "fsdp_reduce_dtype": ("fp32", "bf16"),
 }
 """The training settings that take one of a few words (the model's: ModelConfig.check)."""
 

@@ -142,6 +142,13 @@ class TrainConfig:
     whole model in bf16 on every GPU (2.5 GB at 1B, whose peak it did not raise; at 8B, 16
     GB: not for it). Gradients are still reduce-scattered every micro-batch. Ignored where
     the plan is not FSDP2."""
+    fsdp_reduce_dtype: str = "fp32"
+    """Under FSDP2 in bf16, the dtype each micro-batch's gradients are reduce-scattered in
+    (and, under HSDP, all-reduced between groups): 'fp32', as torchtitan's
+    mixed_precision_reduce by default, or 'bf16', half the traffic and the copy into the
+    collective's buffer, the sum over ranks rounded to bf16 (Megatron-LM's default; the
+    shards still accumulate the micro-batches in fp32). Ignored where the plan is not FSDP2
+    or the run is not bf16."""
     dist_timeout_s: float = 120.0
     """Under torchrun, how long a collective waits for the other ranks once training runs
     (after the compile warm-up): a rank that died or hangs ends the job within this, not

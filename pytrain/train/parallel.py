@@ -17,9 +17,9 @@ at start-up and said in one line, and the wrapping itself.
   (`no_sync` before), in buckets that overlap the backward.
 - `fsdp2`: FSDP2's `fully_shard` per block (and on an untied embedding): each rank holds a
   shard of the parameters, gradients and optimizer state; with bf16, parameters are
-  gathered in bf16 and gradients reduce-scattered in fp32 after every micro-batch's
-  backward (its MixedPrecisionPolicy, as torchtitan sets it; `no_sync` below says why every
-  micro-batch). Over several nodes it is HSDP: a 2-D device mesh (replicate x shard), FSDP2
+  gathered in bf16 and gradients reduce-scattered in fp32 (or bf16: fsdp_reduce_dtype)
+  after every micro-batch's backward (its MixedPrecisionPolicy, as torchtitan sets it;
+  `no_sync` below says why every micro-batch). Over several nodes it is HSDP: a 2-D device mesh (replicate x shard), FSDP2
   within each group of `fsdp_shard_size` ranks and the groups replicas of each other.
   Gradients are reduce-scattered within a group and the shards all-reduced between the
   groups, so the per-block all-gathers of the forward and backward stay on a node's links
@@ -70,6 +70,8 @@ class Plan:
     hold replicas of each other (HSDP where there are several)."""
     hold_weights: bool = False
     """FSDP2: gathered weights kept through each optimizer step (fsdp_hold_weights)."""
+    reduce_dtype: str = "fp32"
+    """FSDP2 in bf16: the gradients' reduce-scatter dtype (fsdp_reduce_dtype)."""
 
     @property
     def sharded(self) -> bool:
@@ -120,19 +122,25 @@ def choose(
         f"optimizer state sharded), {replicas} groups holding replicas, the gradients' "
         "shards all-reduced between them",
     }
-    hold = cfg.fsdp_hold_weights
+    hold, reduce = cfg.fsdp_hold_weights, cfg.fsdp_reduce_dtype
     if hold:
         how["fsdp2"] += ", the gathered weights held through each step (fsdp_hold_weights)"
+    if reduce != "fp32":
+        how["fsdp2"] += f", gradients reduced in {reduce} (fsdp_reduce_dtype)"
     if fsdp is not None:
         kind = "fsdp2" if fsdp else replicated
         why = f"--fsdp; {why_shard}" if fsdp else "--no-fsdp"
-        return Plan(kind, f"data parallel: {how[kind]} ({why})", shard, hold)
+        return Plan(kind, f"data parallel: {how[kind]} ({why})", shard, hold, reduce)
     total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
     gb = f"{state / 1e9:.1f} GB"
     if total and state > AUTO_FSDP_SHARE * total:
         why = f"the training state, {gb}, is over a quarter of one GPU's {total / 1e9:.0f} GB"
         return Plan(
-            "fsdp2", f"data parallel: {how['fsdp2']} (fsdp auto: {why}; {why_shard})", shard, hold
+            "fsdp2",
+            f"data parallel: {how['fsdp2']} (fsdp auto: {why}; {why_shard})",
+            shard,
+            hold,
+            reduce,
         )
     where = f"one GPU's {total / 1e9:.0f} GB" if total else "one device"
     return Plan(
@@ -171,7 +179,10 @@ def wrap(
             else init_device_mesh(device.type, (plan.shard,))
         )
         mp = (
-            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16,
+                reduce_dtype=torch.bfloat16 if plan.reduce_dtype == "bf16" else torch.float32,
+            )
             if dtype == torch.bfloat16
             else MixedPrecisionPolicy()
         )
