@@ -28,12 +28,21 @@ def cfg_args(small_corpus, tmp_path):
     ]  # fmt: skip
 
 
+def run_worker(small_corpus, tmp_path, *flags: str) -> None:
+    """tests/ddp_worker.py on 2 gloo ranks under torchrun, the small model's settings and
+    `flags`; each rank writes its results under tmp_path."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent.parent)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={next(PORTS)}",
+           str(Path(__file__).parent / "ddp_worker.py"), str(tmp_path), *cfg_args(small_corpus, tmp_path), *flags]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "wrapper", ["ddp", "fsdp2", "fsdp2-selective", "fsdp2-untied", "fsdp2-held", "replicas"]
 )
 def test_two_process_gloo_matches_single_process(small_corpus, tmp_path, wrapper):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent.parent)}
     # bf16 replicas: each rank's bf16 gradients summed in fp32, the sums all-reduced once.
     bf16 = ["--precision", "bf16", "--optim.master_weights", "on"]
     # fsdp2-selective: every block recomputed in the backward inside FSDP2's hooks (the
@@ -45,11 +54,7 @@ def test_two_process_gloo_matches_single_process(small_corpus, tmp_path, wrapper
     held = ["--fsdp", "--fsdp_hold_weights", "true"]
     flags = {"ddp": [], "fsdp2": ["--fsdp"], "fsdp2-selective": selective,
              "fsdp2-untied": ["--fsdp", *untied], "fsdp2-held": held, "replicas": bf16}[wrapper]  # fmt: skip
-    port = next(PORTS)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
-           str(Path(__file__).parent / "ddp_worker.py"), str(tmp_path), *cfg_args(small_corpus, tmp_path), *flags]  # fmt: skip
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run_worker(small_corpus, tmp_path, *flags)
     ranks = [torch.load(tmp_path / f"rank{i}.pt", weights_only=False) for i in (0, 1)]
     # Disjoint: the two ranks read different frames, so their batches differ.
     for a in ranks[0]["batches"]:
@@ -108,12 +113,8 @@ def test_fsdp2_reduces_gradients_in_bf16_where_asked(small_corpus, tmp_path):
     # One bf16 micro-batch a rank under FSDP2: each rank's gradients are bf16 (its weights
     # gathered in bf16). Summed over the ranks in fp32, FSDP2's default, few of the sums are
     # bf16 values; reduced in bf16 (fsdp_reduce_dtype) every one is, up to the sum's order.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent.parent)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={next(PORTS)}",
-           str(Path(__file__).parent / "ddp_worker.py"), str(tmp_path), *cfg_args(small_corpus, tmp_path),
-           "--optim.grad_accum", "1", "--fsdp", "--precision", "bf16", "--fsdp_reduce_dtype", "bf16"]  # fmt: skip
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run_worker(small_corpus, tmp_path, "--optim.grad_accum", "1", "--fsdp", "--precision", "bf16",
+               "--fsdp_reduce_dtype", "bf16")  # fmt: skip
     rank0 = torch.load(tmp_path / "rank0.pt", weights_only=False)
     assert "gradients reduced in bf16 (fsdp_reduce_dtype)" in rank0["plan_line"]
     for name, g in rank0["grads"].items():

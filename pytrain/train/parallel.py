@@ -19,11 +19,12 @@ at start-up and said in one line, and the wrapping itself.
   shard of the parameters, gradients and optimizer state; with bf16, parameters are
   gathered in bf16 and gradients reduce-scattered in fp32 (or bf16: fsdp_reduce_dtype)
   after every micro-batch's backward (its MixedPrecisionPolicy, as torchtitan sets it;
-  `no_sync` below says why every micro-batch). Over several nodes it is HSDP: a 2-D device mesh (replicate x shard), FSDP2
-  within each group of `fsdp_shard_size` ranks and the groups replicas of each other.
-  Gradients are reduce-scattered within a group and the shards all-reduced between the
-  groups, so the per-block all-gathers of the forward and backward stay on a node's links
-  (NVLink) and only one all-reduce of a shard's gradients a step crosses the network.
+  `no_sync` below says why every micro-batch). Over several nodes it is HSDP: a 2-D device
+  mesh (replicate x shard), FSDP2 within each group of `fsdp_shard_size` ranks and the
+  groups replicas of each other. Gradients are reduce-scattered within a group and the
+  shards all-reduced between the groups, so the per-block all-gathers of the forward and
+  backward stay on a node's links (NVLink) and only one all-reduce of a shard's gradients a
+  step crosses the network.
   fsdp_shard_size 0 (auto) takes a node's ranks (torchrun's LOCAL_WORLD_SIZE) where the job
   has several nodes, and all ranks on one node (plain FSDP2); a number N takes groups of N
   ranks (N = the world's size: FSDP2 over every rank of every node, the most memory saved).
