@@ -253,13 +253,15 @@ def titan_snapshot(dump_folder: Path, steps: int) -> Path:
 
 
 def peak_table(snapshot_path: Path) -> str:
-    """What held the peak in a pickled allocator snapshot of rank 0 (its GPU 0)."""
+    """What held the peak in a pickled allocator snapshot of rank 0 (its GPU 0), and what
+    was reserved by stream."""
     import pickle
 
-    from pytrain.train.memory_peak import format_composition, peak_composition
+    from pytrain.train.memory_peak import format_composition, peak_composition, reserved_by_stream
 
     with open(snapshot_path, "rb") as f:
-        return format_composition(peak_composition(pickle.load(f), 0))
+        snapshot = pickle.load(f)
+    return format_composition(peak_composition(snapshot, 0), reserved_by_stream(snapshot, 0))
 
 
 def run_ours(

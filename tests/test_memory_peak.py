@@ -1,7 +1,12 @@
 """pytrain.train.memory_peak: what held a GPU's memory at its peak, from an allocator history
 built by hand in the format torch.cuda.memory._snapshot returns."""
 
-from pytrain.train.memory_peak import format_composition, peak_composition, where
+from pytrain.train.memory_peak import (
+    format_composition,
+    peak_composition,
+    reserved_by_stream,
+    where,
+)
 
 MiB = 2**20
 TORCH = "/site-packages/torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py"
@@ -113,3 +118,37 @@ def test_where_names_the_innermost_python_frame_and_ours_behind_it():
     assert where([cpp, frame(GPT, 10, "f")]) == "gpt.py:10 f"  # ours is the innermost
     assert where([cpp]) == "at::native::empty_cuda"
     assert where([]) == "(no stack recorded)"
+
+
+def test_what_is_reserved_is_told_apart_by_the_stream_its_segments_serve():
+    """Reserved memory not allocated, the gap between max_memory_reserved and the allocated
+    peak, sits in the segments of the stream that freed it: the table says which."""
+    nccl = 0x5A00
+
+    def seg(stream, blocks, device=0):
+        return {"device": device, "stream": stream, "total_size": sum(s for s, _ in blocks),
+                "blocks": [{"size": s, "state": st} for s, st in blocks]}  # fmt: skip
+
+    snap = {
+        "segments": [
+            seg(0, [(700 * MiB, "active_allocated"), (100 * MiB, "inactive")]),
+            seg(nccl, [(200 * MiB, "inactive"), (56 * MiB, "active_allocated")]),
+            seg(nccl, [(768 * MiB, "inactive")]),
+            seg(0, [(512 * MiB, "active_allocated")]),
+            seg(0, [(999 * MiB, "active_allocated")], device=1),  # another GPU's
+        ],
+        "device_traces": [[alloc(1, 64 * MiB, frame(GPT, 1, "forward"))], []],
+    }
+    rows = reserved_by_stream(snap, 0)
+    assert rows == [
+        {"stream": 0, "reserved": 1312 * MiB, "allocated": 1212 * MiB, "segments": 2},
+        {"stream": nccl, "reserved": 1024 * MiB, "allocated": 56 * MiB, "segments": 2},
+    ]
+    assert reserved_by_stream(snap, 1)[0]["reserved"] == 999 * MiB
+    table = format_composition(peak_composition(snap), rows)
+    assert "Reserved at the window's end: 2.28 GiB" in table
+    assert (
+        "| 0x5a00 | 1.00 | 0.05 | 0.95 | 2 |" in table
+        and "| 0x0 | 1.28 | 1.18 | 0.10 | 2 |" in table
+    )
+    assert "Reserved at" not in format_composition(peak_composition(snap))  # none given

@@ -10,7 +10,8 @@ state, anything older than the history) is one line of its own. The same for the
 the highest moment that memory falls well below before it reaches the peak and at which
 other things hold it (the end of a forward, when the peak lies in the backward; not the
 peak's moment in the next step): a change that lowers the peak lowers it to no less than
-that."""
+that. Last, what the allocator had reserved, by stream: where max_memory_reserved exceeds
+the allocated peak, which stream's segments hold the difference."""
 
 from __future__ import annotations
 
@@ -164,12 +165,50 @@ def _held(at: int, live: tuple[int, int, dict], at_start: int, top: int) -> dict
     }
 
 
-def format_composition(c: dict) -> str:
+def reserved_by_stream(snapshot: dict, device: int = 0) -> list[dict]:
+    """The allocator's segments when the snapshot was taken, by the stream each serves:
+    [{"stream", "reserved", "allocated", "segments"}], most reserved first. A block freed
+    in one stream's segment waits there for that stream's next allocation, so what is
+    reserved and not allocated (the gap between max_memory_reserved and the allocated peak)
+    is told apart by stream: the compute stream's, the collectives'. Reserved memory is
+    not returned while a run lasts (short of an out-of-memory retry or empty_cache), so at
+    the profiled window's end it is the run's most reserved so far."""
+    streams: dict[int, list[int]] = {}
+    for seg in snapshot["segments"]:
+        if seg.get("device", device) != device:
+            continue
+        blocks = seg["blocks"]
+        row = streams.setdefault(seg.get("stream", 0), [0, 0, 0])
+        row[0] += seg.get("total_size", sum(b["size"] for b in blocks))
+        row[1] += sum(b["size"] for b in blocks if b["state"] == "active_allocated")
+        row[2] += 1
+    rows = [{"stream": k, "reserved": r, "allocated": a, "segments": n}
+            for k, (r, a, n) in streams.items()]  # fmt: skip
+    return sorted(rows, key=lambda r: -r["reserved"])
+
+
+def format_composition(c: dict, streams: list[dict] | None = None) -> str:
     """The composition as Markdown: the peak, then what held it, largest first; then the
-    same for the runner-up, where there is one."""
+    same for the runner-up, where there is one; then, given `streams` (reserved_by_stream),
+    what was reserved by stream."""
     out = _format_held(c, "Peak allocated", c["events"])
     if c.get("runner_up"):
         out += "\n\n" + _format_held(c["runner_up"], "Runner-up, apart from the peak", c["events"])
+    if streams:
+        total = sum(r["reserved"] for r in streams)
+        rows = [
+            f"Reserved at the window's end: {total / GiB:.2f} GiB, by stream (0x0: the default "
+            "stream; the others by their handles)",
+            "",
+            "| stream | GiB reserved | allocated | reserved, not allocated | segments |",
+            "|---|---|---|---|---|",
+        ]
+        rows += [
+            f"| {r['stream']:#x} | {r['reserved'] / GiB:.2f} | {r['allocated'] / GiB:.2f} | "
+            f"{(r['reserved'] - r['allocated']) / GiB:.2f} | {r['segments']} |"
+            for r in streams
+        ]
+        out += "\n\n" + "\n".join(rows)
     return out
 
 

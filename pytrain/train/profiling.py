@@ -307,15 +307,21 @@ class StepProfiler:
         if self.memory:
             import pickle
 
-            from pytrain.train.memory_peak import format_composition, peak_composition
+            from pytrain.train.memory_peak import (
+                format_composition,
+                peak_composition,
+                reserved_by_stream,
+            )
 
             # What _dump_snapshot writes, kept in hand for the peak's composition.
             snapshot = torch.cuda.memory._snapshot()
             torch.cuda.memory._record_memory_history(enabled=None)
             with open(self.out / "memory.pickle", "wb") as f:
                 pickle.dump(snapshot, f)
-            peak = peak_composition(snapshot, self.device.index or 0)
-            (self.out / "memory.md").write_text(format_composition(peak) + "\n")
+            device = self.device.index or 0
+            peak = peak_composition(snapshot, device)
+            streams = reserved_by_stream(snapshot, device)
+            (self.out / "memory.md").write_text(format_composition(peak, streams) + "\n")
             line += (
                 f", {self.out}/memory.pickle (pytorch.org/memory_viz), and what held the "
                 f"peak's {peak['peak_bytes'] / 2**30:.1f} GiB: {self.out}/memory.md"
