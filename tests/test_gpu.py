@@ -814,3 +814,6 @@ def test_profile_memory_writes_the_allocators_history_over_the_profiled_steps(tm
     # Inductor's generated code is named with the model's line behind it
     assert "allocated before the profiled window" in table, table
     assert re.search(r"\.py:\d+ call < gpt\.py:\d+ forward", table), table
+    # and what the allocator had reserved by stream, the compute stream's among them
+    reserved = re.search(r"Reserved at the window's end: ([\d.]+) GiB", table)
+    assert reserved and float(reserved.group(1)) >= window_gib and "| 0x0 |" in table, table
