@@ -124,6 +124,21 @@ def test_user_errors_are_one_line_naming_the_path_or_key(tmp_path, small_corpus,
     assert len(lines) == 1 and named.format(**subst) in lines[0], r.stderr
 
 
+def test_a_configuration_error_ends_without_loading_torch(tmp_path):
+    """A mistyped setting's line and exit come at once: the configuration is checked before
+    torch loads (two CPU-seconds), and the process ends without loading it afterwards."""
+    r = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "pytrain.train", "--out_dir", str(tmp_path),
+         "--model.mlp", "relu"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 2 and "model.mlp is 'relu'" in r.stderr, r.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[1].strip() for line in r.stderr.splitlines()
+                if line.startswith("import time:")}  # fmt: skip
+    assert "pytrain.config" in imported, r.stderr[-2000:]  # what -X importtime lists
+    assert "torch" not in imported and "pytrain.train.distributed" not in imported
+
+
 @pytest.mark.slow
 def test_a_validation_set_or_source_of_another_tokenizer_is_refused(tmp_path, small_corpus):
     """Ids of another tokenizer mean other tokens: a validation set packed with one gave a
