@@ -34,10 +34,12 @@ def test_memory_peaks_reads_a_pickled_snapshot_and_needs_the_window(tmp_path):
     snap.parent.mkdir(parents=True)
     trace = [{"action": "alloc", "addr": 1, "size": 2**30,
               "frames": [{"filename": "/x/pytrain/model/gpt.py", "line": 5, "name": "f"}]}]  # fmt: skip
-    segments = [{"device": 0, "blocks": [{"size": 3 * 2**30, "state": "active_allocated"}]}]
+    segments = [{"device": 0, "stream": 0, "total_size": 4 * 2**30,
+                 "blocks": [{"size": 3 * 2**30, "state": "active_allocated"}]}]  # fmt: skip
     snap.write_bytes(pickle.dumps({"segments": segments, "device_traces": [trace]}))
     table = titan.peak_table(snap)
     assert "Peak allocated: 3.00 GiB" in table and "| `gpt.py:5 f` | 1.00 | 1 |" in table
+    assert "Reserved at the window's end: 4.00 GiB" in table  # and by stream
     r = subprocess.run([sys.executable, "benchmarks/titan.py", "--titan-site", str(tmp_path),
                         "--memory-peaks", "--steps", "4"], capture_output=True, text=True,
                        cwd=titan.ROOT, timeout=120)  # fmt: skip

@@ -177,10 +177,9 @@ def reserved_by_stream(snapshot: dict, device: int = 0) -> list[dict]:
     for seg in snapshot["segments"]:
         if seg.get("device", device) != device:
             continue
-        blocks = seg["blocks"]
-        row = streams.setdefault(seg.get("stream", 0), [0, 0, 0])
-        row[0] += seg.get("total_size", sum(b["size"] for b in blocks))
-        row[1] += sum(b["size"] for b in blocks if b["state"] == "active_allocated")
+        row = streams.setdefault(seg["stream"], [0, 0, 0])
+        row[0] += seg["total_size"]
+        row[1] += sum(b["size"] for b in seg["blocks"] if b["state"] == "active_allocated")
         row[2] += 1
     rows = [{"stream": k, "reserved": r, "allocated": a, "segments": n}
             for k, (r, a, n) in streams.items()]  # fmt: skip
