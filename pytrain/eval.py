@@ -95,6 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     args = p.parse_args(argv)
+    from pytrain.config import missing_model
+
+    if missing := missing_model(args.model):  # at once: torch takes seconds to load
+        print(f"pytrain.eval: error: {missing}", file=sys.stderr)
+        return 2
     import torch
 
     from pytrain._loader import LoaderError

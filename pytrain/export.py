@@ -127,6 +127,11 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"the largest weight file; larger models are sharded, with {INDEX} "
                         f"(default: {MAX_SHARD_SIZE})")  # fmt: skip
     args = p.parse_args(argv)
+    from pytrain.config import missing_model
+
+    if missing := missing_model(args.source):  # at once: torch takes seconds to load
+        print(f"pytrain.export: error: {missing}", file=sys.stderr)
+        return 2
     from pytrain._loader import LoaderError
     from pytrain.config import ConfigError
 

@@ -33,6 +33,11 @@ def main(argv: list[str] | None = None) -> int:
         help="recompute the prefix for every token",
     )
     args = p.parse_args(argv)
+    from pytrain.config import missing_model
+
+    if missing := missing_model(args.model):  # at once: torch takes seconds to load
+        print(f"pytrain.sample: error: {missing}", file=sys.stderr)
+        return 2
     import torch
     from tokenizers import Tokenizer
 

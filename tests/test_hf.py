@@ -247,9 +247,10 @@ def test_a_large_export_is_sharded_as_hugging_face_cuts_it(text_datasets, tmp_pa
         assert torch.equal(load(out).gpt(ids), ours(ids))
     assert export_main([str(tmp_path / "run"), str(out)]) == 0
     assert sorted(f.name for f in out.glob("model*.safetensors*")) == ["model.safetensors"]
-    # A wrong size is one line, before the checkpoint is read (here there is none).
+    # A wrong size is one line, before the checkpoint is read (here a directory without one).
     capsys.readouterr()
-    assert export_main([str(tmp_path / "none"), str(out), "--max_shard_size", "lots"]) == 2
+    (tmp_path / "empty").mkdir()
+    assert export_main([str(tmp_path / "empty"), str(out), "--max_shard_size", "lots"]) == 2
     assert capsys.readouterr().err.startswith("pytrain.export: error: --max_shard_size 'lots': ")
 
 

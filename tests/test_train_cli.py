@@ -139,6 +139,23 @@ def test_a_configuration_error_ends_without_loading_torch(tmp_path):
     assert "torch" not in imported and "pytrain.train.distributed" not in imported
 
 
+@pytest.mark.parametrize("command", ["eval", "sample", "export"])
+def test_a_mistyped_model_path_ends_eval_sample_and_export_without_loading_torch(tmp_path, command):
+    """The path is checked before torch loads: its line and exit 2 at once, not after the
+    seconds torch takes."""
+    missing = tmp_path / "runs" / "nope"
+    out = [str(tmp_path / "hf")] if command == "export" else []
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", f"pytrain.{command}",
+                        str(missing), *out], capture_output=True, text=True, timeout=120)  # fmt: skip
+    lines = [line for line in r.stderr.splitlines() if not line.startswith("import time:")]
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert lines == [f"pytrain.{command}: error: {missing}: no such file or directory"], lines
+    imported = {line.rsplit("|", 1)[1].strip() for line in r.stderr.splitlines()
+                if line.startswith("import time:")}  # fmt: skip
+    assert "pytrain.config" in imported and "torch" not in imported
+    assert not (tmp_path / "hf").exists()
+
+
 @pytest.mark.slow
 def test_a_validation_set_or_source_of_another_tokenizer_is_refused(tmp_path, small_corpus):
     """Ids of another tokenizer mean other tokens: a validation set packed with one gave a

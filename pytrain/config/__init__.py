@@ -38,6 +38,7 @@ from pytrain.config.data import (
     dataset_dir,
     location,
     location_name,
+    missing_model,
 )
 from pytrain.config.errors import ConfigError
 from pytrain.config.flags import (
@@ -78,6 +79,7 @@ __all__ = [
     "inductor_options",
     "location",
     "location_name",
+    "missing_model",
     "parse_args",
     "parse_bool",
     "profile_window",

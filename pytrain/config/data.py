@@ -158,6 +158,13 @@ def location_name(p: str | Path) -> str:
     return str(p).rstrip("/").rsplit("/", 1)[-1]
 
 
+def missing_model(path: str | Path) -> str:
+    """Why `path`, given to eval, sample or export as a run directory, a checkpoint or an
+    exported directory, cannot be one ('' where it exists). torch-free, so that a mistyped
+    path's line comes before the seconds torch takes to load."""
+    return "" if Path(path).exists() else f"{path}: no such file or directory"
+
+
 def dataset_dir(path: str, flag: str) -> Path | str:
     """`path` if it is a dataset made by pack-shards, else a ConfigError naming it. An
     object-storage URL (s3://) is kept as given; opening it checks it (one line naming the

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from pytrain.config import REMOTE_SCHEMES, ConfigError, DataConfig
+from pytrain.config import REMOTE_SCHEMES, ConfigError, DataConfig, missing_model
 from pytrain.model.config import ModelConfig
 from pytrain.model.gpt import GPT
 from pytrain.model.hf import NotExportable, from_hf, strip_prefixes
@@ -33,6 +33,8 @@ class Loaded:
 
 
 def load(path: str | Path, device: str | torch.device = "cpu") -> Loaded:
+    if missing := missing_model(path):
+        raise ConfigError(missing)
     p = Path(path)
     if (p / "config.json").is_file():
         return _load_hf(p, device)
@@ -53,7 +55,7 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> Loaded:
         except Exception as e:
             raise ConfigError(f"{path}: not a checkpoint ({type(e).__name__}: {e})") from None
     else:
-        raise ConfigError(f"{path}: no such file or directory")
+        raise ConfigError(f"{path}: neither a file nor a directory")
     if (
         not isinstance(state, dict)
         or not ("model" in state or "sharded" in state)
