@@ -56,6 +56,8 @@ test: ## every test: cargo tests + pytest (slow ones included)
 	$(MAKE) --no-print-directory test-python
 
 # cargo's test profile (Cargo.toml), not --release: the Rust tests take seconds unoptimized.
+# The core's default features: no PyO3, no S3 (its AWS stack is built by `make setup`, and
+# tested through the extension by tests/test_s3.py against a local S3 server).
 # MAKEFLAGS cleared: under `make test`'s -j2 it names a jobserver that this recipe does not
 # get, and rustdoc warns that it cannot connect to it.
 test-rust:

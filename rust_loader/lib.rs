@@ -11,6 +11,8 @@ pub mod format;
 pub mod loader;
 pub mod order;
 pub mod pack;
+#[cfg(feature = "s3")]
+pub mod remote;
 pub mod robustness;
 pub mod rows;
 pub mod shard_reader;
