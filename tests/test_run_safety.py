@@ -264,13 +264,29 @@ def test_sigusr1_to_one_rank_stops_every_rank_at_the_same_step(small_corpus, tmp
     _stop_and_resume(small_corpus, tmp_path, signal.SIGUSR1, torchrun=2, to_one_rank=True)
 
 
+_SLOW_STEPS = """
+import sys, time
+from pytrain.train import trainer
+real = trainer.Trainer._forward_backward
+def slow(self, *a, **k):
+    time.sleep(1.0)
+    return real(self, *a, **k)
+trainer.Trainer._forward_backward = slow
+from pytrain.train.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+"""`python -m pytrain.train` whose every step takes a second longer, idle: long enough for a
+second signal to land in the step the first one ends with, without the CPU a model that slow
+would burn."""
+
+
 @pytest.mark.slow
 def test_a_second_sigint_ends_at_once(small_corpus, tmp_path):
     run = tmp_path / "runs" / "twice"
-    # A model whose steps take long enough on a CPU for the second signal to land in one.
-    cmd = train_cmd(small_corpus, tmp_path, "twice", "--model.d_model", "768", "--model.n_layer",
-                    "6", "--max_steps", "100000", "--ckpt_every", "5", "--keep_ckpts", "1")  # fmt: skip
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    cmd = train_cmd(small_corpus, tmp_path, "twice", "--max_steps", "100000", "--ckpt_every", "5",
+                    "--keep_ckpts", "1")  # fmt: skip
+    p = subprocess.Popen([sys.executable, "-c", _SLOW_STEPS, *cmd[3:]], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=ENV)  # fmt: skip
     wait_for_step(run, 6, p)
     p.send_signal(signal.SIGINT)
     assert p.stderr is not None
