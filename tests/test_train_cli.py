@@ -85,7 +85,12 @@ def test_embedded_default_trains_logs_checkpoints_and_resumes(tmp_path):
             ["--model.fused_gelu", "on"],
             "model.fused_gelu=on needs model.mlp=gelu and model.float8=off",
         ),
-        (["--model.fused_swiglu", "quack", "--device", "cpu"], "fused_swiglu=quack needs a CUDA"),
+        # On a dataset: without one, the embedded default would be built first (into the
+        # user's cache), as this check is the model's, made after the data is found.
+        (
+            ["--model.fused_swiglu", "quack", "--device", "cpu", "--data.path", "{train}"],
+            "fused_swiglu=quack needs a CUDA",
+        ),
         (["--model.n_head", "5"], "model.d_model 256 is not a multiple of model.n_head 5"),
         (["--precision", "fp8"], "precision is 'fp8'; expected one of auto, bf16, fp16, fp32"),
         (["--compile.mode", "fast"], "compile.mode is 'fast'; expected one of auto, reduce-over"),
