@@ -1,11 +1,23 @@
-"""Llama-3.2-1B's shape on one GPU, or Llama-3.1-8B's on the GPUs of one host, side by side
-with torchtitan, in one command.
+"""Llama-3.2-1B's shape on one GPU, Llama-3.1-8B's on the GPUs of one host, or 8 layers of
+Qwen3-30B-A3B (a mixture of experts) on one GPU, side by side with torchtitan, in one command.
 
     PYTHONPATH=$PWD python benchmarks/titan.py --titan-site DIR [--tokenizer tokenizer.json] \
         [--text corpus.jsonl] [--seq 2048,4096] [--steps 40]
     PYTHONPATH=$PWD python benchmarks/titan.py --titan-site DIR --shape 8b --gpus 4 \
         --seq 8192 --rows 1 --accum 2 --steps 10 [--ours-ac every-2,selective] \
         [--ours-variant 'bf16 moments=--optim.state_dtype bf16'] [--quality --seeds 1337,2]
+    PYTHONPATH=$PWD python benchmarks/titan.py --titan-site DIR --shape qwen3-moe-8l --seq 4096 --rows 2 --steps 30
+
+expert parallelism over several GPUs, when such a host is available:
+
+    PYTHONPATH=$PWD python benchmarks/titan.py --titan-site DIR --shape qwen3-moe-8l --gpus 4 \
+        --seq 4096 --rows 2 --steps 30 --runs 'ours bf16' --ours-flags '--model.ep 4'
+
+(ours only, the experts split over the 4 GPUs; the trainer's expert-parallel flag, written
+here `--model.ep 4`, perhaps to be named `--ep 4`, is not there yet.)
+
+--dry-run prints each run's command (torchtitan's with the variables this script sets) and
+runs nothing.
 
 DIR holds torchtitan and its dependencies as pinned in benchmarks/titan.requirements.txt
 (`pip install --no-deps --target DIR` of those wheels; the GPU hosts have no network).
@@ -28,7 +40,8 @@ same vocabulary (128256) through the real loader: tokens/s do not depend on the 
 Runs, all at the same sequence length and tokens per optimizer step (`--rows` x
 `--accum` micro-batches on each GPU), compiled, activation checkpointing off at 1B: ours in bf16 (`--model.float8_head
 off`), as shipped (the FP8 output layer), and with `--model.float8 tensorwise` (torchao);
-torchtitan (FSDP2 on one GPU, its default) in bf16 and with its float8 converter (tensorwise)
+torchtitan (on one GPU its data-parallel degree resolves to 1: no FSDP, bf16 under
+torch.autocast; FSDP2 over several) in bf16 and with its float8 converter (tensorwise)
 twice: on every linear layer, the output one included (its default), and with the output
 layer left in bf16 (`filter_fqns output`, as its llama3 recipes set it); asked for by name,
 ours in float8 with the output layer in bf16 too, and each side's float8 with a scale a
@@ -40,6 +53,36 @@ included), against 989 TFLOP/s (H100 dense bf16). Tokens/s per GPU (torchtitan l
 torch.cuda.max_memory_reserved for both (torchtitan logs it as "memory"), torchtitan with
 the CUDA allocator's expandable segments, as its launcher sets them (TITAN_ALLOC). Medians
 over the steps after the first third. A table is printed last.
+
+--shape qwen3-moe-8l: Qwen3-30B-A3B's layers, 8 of them (dim 2048, 32 heads of 128 over 4
+KV heads, QK-norm, 128 experts of SwiGLU 768, top 8 by softmax with the 8 weights normalised,
+RoPE theta 1e6, vocabulary 151936, embeddings untied: 5.61B parameters on both sides, 0.77B
+active), sequences of 4096, 2 rows a step in one micro-batch (--rows and --accum default so
+at this shape), compiled, activation checkpointing off on both sides (ours'
+`--activation_checkpointing off`: the preset's is selective; `--ours-ac selective` runs it).
+torchtitan's qwen3 (torchtitan/models/qwen3/__init__.py: the dict `qwen3_args` of
+Qwen3ModelArgs flavors, "30B-A3B" with moe_enabled, moe_inter_dim 768 and MoEArgs(128
+experts, no shared one, top_k 8, softmax, route_norm)) has no 8-layer flavor: "30B-A3B-8L",
+"30B-A3B" with n_layers 8, is put in that dict before its `main`, as the 1B flavor in
+llama3's. Its experts run through torch._grouped_mm (MoEArgs.use_grouped_mm, true by
+default: no flag selects it); --compile.enable compiles each MoE block's attention, norms
+and router, and the experts' grouped GEMMs, not the tokens' dispatch; its attention is SDPA.
+On one GPU it trains fp32 weights under autocast with fp32 AdamW moments; ours has the
+preset's bf16 moments. Its load balancing as its qwen3 has it: MoEArgs' load_balance_coeff
+1e-3 gives each MoE layer an expert bias for choosing experts (auxiliary-loss-free), but
+0.2.2's qwen3 builds plain optimizers (`build_optimizers`, not llama4's and deepseek_v3's
+`build_optimizers_with_moe_load_balancing`): the bias stays 0, with no auxiliary loss, plain
+top-8 routing. Ours balances as the preset does (a global balancing loss of weight 0.001,
+Qwen3's, and no bias: --model.aux_loss, --model.balance_rate). "torchtitan fp8 experts":
+its float8 converter for MoE (`quantize.grouped_mm.float8`, fqns "experts": torchao's
+dynamic rowwise float8 grouped GEMMs, every other layer in bf16); 0.2.2 imports torchao's
+MoETrainingConfig, which torchao 0.17 renamed Float8TrainingOpConfig (the same recipe): the
+worker gives it the old name where missing. Ours has no float8 path for experts yet: no ours
+fp8 row unless asked for by name. Ours trains on synthetic ids at 151936. MFU over the
+active parameters (flops_per_token): 6 N_active + 12 L H d T, N_active a token's attention
+(q, k, v, o, norms), router (dim x experts), top_k experts (3 x dim x expert_hidden each),
+final norm and output layer (dim x vocab): 6.21 GFLOP a token at 4096, what torchtitan's
+own count and ours' trainer give too.
 
 With --quality, every run trains on real text instead (the Python sources, every 20th
 document held out; ours packed by pack-shards with the same tokenizer, so at that
@@ -99,14 +142,17 @@ TITAN_RUNS: dict[str, tuple[str, list[str]] | None] = {
     "fp8": ("tensorwise", []),
     "fp8 output-bf16": ("tensorwise", ["output"]),
     "fp8 rowwise output-bf16": ("rowwise", ["output"]),
+    "fp8 experts": ("grouped_mm", ["experts"]),
 }
 """torchtitan's runs: None for bf16, else its float8 converter's (recipe, `filter_fqns`):
 every linear layer (its default), and without the output layer, as its own llama3 recipes
-set `filter_fqns`."""
+set `filter_fqns`; or ("grouped_mm", the MoE modules whose grouped GEMMs go float8: its
+`quantize.grouped_mm.float8.fqns`), an MoE shape's only."""
 ALL_RUNS = (*(f"ours {n}" for n in OURS_RUNS), *(f"torchtitan {n}" for n in TITAN_RUNS))
 RUNS = ("ours bf16", "ours preset", "ours fp8",
         "torchtitan bf16", "torchtitan fp8", "torchtitan fp8 output-bf16")  # fmt: skip
-"""The runs without --runs; the others are asked for by name."""
+MOE_RUNS = ("ours bf16", "torchtitan bf16", "torchtitan fp8 experts")
+"""The runs without --runs (MOE_RUNS at an MoE shape); the others are asked for by name."""
 VAL_BATCHES = 20  # --quality: validation batches of --rows rows, the same for both
 ALLOC_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 TITAN_ALLOC = {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}
@@ -122,35 +168,107 @@ SHAPES = {
            "titan_recipe": ["--activation_checkpoint.mode", "selective",
                             "--activation_checkpoint.selective_ac_option", "op",
                             "--optimizer.lr", "3e-4"]},
+    "qwen3-moe-8l": {"title": "Qwen3-30B-A3B (8 layers)", "n_layer": 8, "d_model": 2048,
+                     "n_head": 32, "n_kv_head": 4, "head_dim": 128, "qk_norm": True, "experts": 128,
+                     "top_k": 8, "expert_hidden": 768, "vocab": 151936,
+                     "preset": "configs/qwen3-moe-30b-a3b.toml",
+                     "ours_flags": ["--model.n_layer", "8", "--activation_checkpointing", "off"],
+                     "titan_model": "qwen3", "titan_flavor": "30B-A3B-8L",
+                     "titan_recipe": ["--activation_checkpoint.mode", "none"],
+                     "defaults": {"rows": 2, "accum": 1, "runs": ",".join(MOE_RUNS)}},
 }  # fmt: skip
 """Each shape's model and torchtitan's flags from its recipe: at 8B its llama3_8b.toml's
 per-op selective checkpointing and learning rate (3e-4, as configs/llama-8b.toml; its
-trainer's default is 8e-4), which --quality's loss depends on; 0.2.2 has no 1B recipe."""
+trainer's default is 8e-4), which --quality's loss depends on; 0.2.2 has no 1B recipe and
+no MoE one. Optional keys: head_dim (else d_model / n_head), qk_norm, experts, top_k and
+expert_hidden (an MoE shape: every block's MLP routed), ours_flags (added to the preset's),
+titan_model (else llama3), defaults (of --rows, --accum, --runs: DEFAULTS' otherwise)."""
+DEFAULTS = {"rows": 8, "accum": 4, "runs": ",".join(RUNS)}
+TITAN_MOE_BASE = "30B-A3B"
+"""The torchtitan qwen3 flavor whose 8 layers are "30B-A3B-8L"."""
 
 
 def titan_worker(argv: list[str]) -> None:
-    """Inside torchrun: registers the 1B flavor, then torchtitan's own entry point."""
+    """Inside torchrun: registers the flavors torchtitan lacks (llama3's 1B, qwen3's 8-layer
+    30B-A3B), then torchtitan's own entry point."""
     # torchtitan 0.2.2 reads its arguments through a default argument, `sys.argv[1:]` as it
     # was when its config module was imported: set before any torchtitan import.
     sys.argv = [sys.argv[0], *argv]
+    from torchtitan.train import Trainer, main
+
+    if argv[argv.index("--model.name") + 1] == "qwen3":
+        register_qwen3_flavor()
+    else:
+        register_llama3_flavor()
+    if "quantize.grouped_mm.float8" in argv:
+        alias_torchao_moe_config()
+    main(Trainer)
+
+
+def register_llama3_flavor() -> None:
+    """Llama-3.2-1B's shape as torchtitan's llama3 flavor "1B"."""
     from torchtitan.models import llama3
     from torchtitan.models.llama3.model.args import RoPEScalingArgs, TransformerModelArgs
-    from torchtitan.train import Trainer, main
 
     llama3.llama3_args["1B"] = TransformerModelArgs(
         dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5,
         multiple_of=1024, rope_theta=500000, rope_scaling_args=RoPEScalingArgs(scaling_factor=32.0),
     )  # fmt: skip
-    main(Trainer)
+
+
+def register_qwen3_flavor() -> None:
+    """torchtitan's qwen3 "30B-A3B" (Qwen3ModelArgs with its MoEArgs) at 8 layers, as the
+    flavor "30B-A3B-8L" (SHAPES' qwen3-moe-8l): the same dict its TrainSpec reads flavors from."""
+    import dataclasses
+
+    from torchtitan.models import qwen3
+
+    base = qwen3.qwen3_args[TITAN_MOE_BASE]
+    qwen3.qwen3_args[SHAPES["qwen3-moe-8l"]["titan_flavor"]] = dataclasses.replace(
+        base,
+        n_layers=SHAPES["qwen3-moe-8l"]["n_layer"],
+        moe_args=dataclasses.replace(base.moe_args),
+    )
+
+
+def alias_torchao_moe_config() -> None:
+    """torchtitan 0.2.2's float8 MoE converter imports torchao's
+    `prototype.moe_training.conversion_utils.MoETrainingConfig` (torchao 0.16 and before);
+    torchao 0.17 renamed it `config.Float8TrainingOpConfig` (dynamic rowwise float8 grouped
+    GEMMs, the same recipe, registered with `quantize_` the same way): the old name for it."""
+    try:
+        from torchao.prototype.moe_training import conversion_utils
+        from torchao.prototype.moe_training.config import Float8TrainingOpConfig
+    except ImportError:  # torchao 0.16 or older, or none: torchtitan says what it lacks
+        return
+    if not hasattr(conversion_utils, "MoETrainingConfig"):
+        conversion_utils.MoETrainingConfig = Float8TrainingOpConfig
+
+
+def head_dim(shape: dict) -> int:
+    return shape.get("head_dim", shape["d_model"] // shape["n_head"])
+
+
+def active_params(shape: dict) -> int:
+    """The parameters a token's matmuls pass through: each block's attention (q, k, v, o, its
+    two norms, QK-norm's), its MLP (dense: SwiGLU; MoE: the router, dim x experts, and top_k
+    experts of 3 x dim x expert_hidden), the final norm and the output layer; the embedding
+    lookup costs nothing."""
+    d, hd = shape["d_model"], head_dim(shape)
+    q, kv = shape["n_head"] * hd, shape["n_kv_head"] * hd
+    attention = d * (q + 2 * kv) + q * d + 2 * d + (2 * hd if shape.get("qk_norm") else 0)
+    if "experts" in shape:
+        mlp = d * shape["experts"] + shape["top_k"] * 3 * d * shape["expert_hidden"]
+    else:
+        mlp = 3 * d * shape["mlp_hidden"]
+    return shape["n_layer"] * (attention + mlp) + d + shape["vocab"] * d
 
 
 def flops_per_token(shape: dict, seq: int) -> float:
-    from pytrain.train.metrics import flops_per_token as formula
-
-    d, h, hd = shape["d_model"], shape["mlp_hidden"], shape["d_model"] // shape["n_head"]
-    per_layer = d * (d + 2 * shape["n_kv_head"] * hd) + d * d + 3 * d * h + 2 * d
-    n = shape["n_layer"] * per_layer + d + shape["vocab"] * d  # the output layer's matmul counts
-    return formula(n, shape["n_layer"], shape["n_head"], hd, seq)
+    """One formula for both sides, dense or MoE: 6 N_active + 12 L H d T (active_params; the
+    PaLM appendix B formula that ours' MFU uses too)."""
+    attention = 12 * shape["n_layer"] * shape["n_head"] * head_dim(shape) * seq
+    return 6 * active_params(shape) + attention
 
 
 def torchrun(gpus: int) -> list[str]:
@@ -161,10 +279,14 @@ def titan_float8_flags(float8: tuple[str, list[str]] | None, gpus: int) -> list[
     """torchtitan's flags for a float8 run (TITAN_RUNS' (recipe, layers left in bf16)):
     0.2.2 registers the converter under this name; tensorwise is its default recipe, which
     it refuses to have named beside the float8 all-gathers, and its recipes over several
-    GPUs all-gather the weights in float8 (tensorwise only)."""
+    GPUs all-gather the weights in float8 (tensorwise only). ("grouped_mm", fqns): its MoE
+    converter on those modules' grouped GEMMs (rowwise scales; nothing else in float8)."""
     if float8 is None:
         return []
     recipe, keep_bf16 = float8
+    if recipe == "grouped_mm":
+        return ["--model.converters", "quantize.grouped_mm.float8",
+                "--quantize.grouped_mm.float8.fqns", ",".join(keep_bf16)]  # fmt: skip
     flags = ["--model.converters", "quantize.linear.float8"]
     if gpus == 1 or recipe != "tensorwise":
         flags += ["--quantize.linear.float8.recipe_name", recipe]
@@ -193,32 +315,11 @@ def run_titan(
     label: str, float8: tuple[str, list[str]] | None, val: Path | None = None,
     memory: bool = False, seed: int | None = None, warmup: int | None = None,
 ) -> dict:  # fmt: skip
-    """torchtitan's trainer; `float8`: None for bf16, else (recipe, the linear layers left in
-    bf16: its `filter_fqns`); `seed`: its --debug.seed (None: its default); `warmup`: with
-    `val` (--quality), the warm-up's steps (None: a tenth of `steps`)."""
-    corpus, tok = work / "titan-corpus", work / "titan-tokenizer"  # written by main()
-    cmd = [*torchrun(gpus), str(Path(__file__).resolve()), "--titan-run",
-           "--model.name", "llama3", "--model.flavor", shape["titan_flavor"],
-           "--model.hf_assets_path", str(tok),
-           "--training.dataset", "c4_test", "--training.dataset_path", str(corpus),
-           "--training.local_batch_size", str(rows),
-           "--training.global_batch_size", str(rows * accum * gpus),
-           "--training.seq_len", str(seq), "--training.steps", str(steps), "--metrics.log_freq", "1",
-           "--compile.enable", *shape["titan_recipe"], "--job.dump_folder", str(work / "titan-out")]  # fmt: skip
-    cmd += titan_float8_flags(float8, gpus)
-    if seed is not None:
-        cmd += ["--debug.seed", str(seed)]
-    if val is not None:  # --quality: its validation at the last step, a short warm-up
-        cmd += ["--validation.enable", "--validation.dataset", "c4_test",
-                "--validation.dataset_path", str(val), "--validation.freq", str(steps),
-                "--validation.steps", str(VAL_BATCHES), "--validation.local_batch_size", str(rows),
-                "--validation.seq_len", str(seq), "--lr_scheduler.warmup_steps",
-                str(steps // 10 if warmup is None else warmup)]  # fmt: skip
-    if memory:
-        cmd += titan_memory_flags(steps)
-    env = {**os.environ, "PYTHONPATH": f"{site}:{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
-    if not any(k in os.environ for k in ALLOC_VARS):  # unless the shell names one for both
-        env.update(TITAN_ALLOC)
+    """torchtitan's trainer (titan_command's arguments; `label` names its log)."""
+    cmd = titan_command(
+        work, shape, gpus, seq, rows, accum, steps, float8, val, memory, seed, warmup
+    )
+    env = {**os.environ, **titan_env(site)}
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
@@ -236,6 +337,48 @@ def run_titan(
             "train_loss": quarter_means([x["loss"] for x in logged]),
             **({"val_loss": float(vals[-1])} if vals else {}),
             **({"memory": memory_md} if memory_md else {})}  # fmt: skip
+
+
+def titan_command(
+    work: Path, shape: dict, gpus: int, seq: int, rows: int, accum: int, steps: int,
+    float8: tuple[str, list[str]] | None, val: Path | None = None, memory: bool = False,
+    seed: int | None = None, warmup: int | None = None,
+) -> list[str]:  # fmt: skip
+    """torchtitan's command line: its trainer under torchrun through this script's worker
+    (titan_worker); `float8`: None for bf16, else TITAN_RUNS' (recipe, layers);
+    `seed`: its --debug.seed (None: its default); `warmup`: with `val` (--quality), the
+    warm-up's steps (None: a tenth of `steps`)."""
+    corpus, tok = work / "titan-corpus", work / "titan-tokenizer"  # written by main()
+    cmd = [*torchrun(gpus), str(Path(__file__).resolve()), "--titan-run",
+           "--model.name", shape.get("titan_model", "llama3"), "--model.flavor", shape["titan_flavor"],
+           "--model.hf_assets_path", str(tok),
+           "--training.dataset", "c4_test", "--training.dataset_path", str(corpus),
+           "--training.local_batch_size", str(rows),
+           "--training.global_batch_size", str(rows * accum * gpus),
+           "--training.seq_len", str(seq), "--training.steps", str(steps), "--metrics.log_freq", "1",
+           "--compile.enable", *shape["titan_recipe"], "--job.dump_folder", str(work / "titan-out")]  # fmt: skip
+    cmd += titan_float8_flags(float8, gpus)
+    if seed is not None:
+        cmd += ["--debug.seed", str(seed)]
+    if val is not None:  # --quality: its validation at the last step, a short warm-up
+        cmd += ["--validation.enable", "--validation.dataset", "c4_test",
+                "--validation.dataset_path", str(val), "--validation.freq", str(steps),
+                "--validation.steps", str(VAL_BATCHES), "--validation.local_batch_size", str(rows),
+                "--validation.seq_len", str(seq), "--lr_scheduler.warmup_steps",
+                str(steps // 10 if warmup is None else warmup)]  # fmt: skip
+    if memory:
+        cmd += titan_memory_flags(steps)
+    return cmd
+
+
+def titan_env(site: Path) -> dict[str, str]:
+    """What torchtitan's runs have beyond this shell's environment: DIR and this repository
+    first on the path, and its launcher's allocator setting unless the shell names one for
+    both sides."""
+    env = {"PYTHONPATH": f"{site}:{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+    if not any(k in os.environ for k in ALLOC_VARS):
+        env.update(TITAN_ALLOC)
+    return env
 
 
 MEMORY_WINDOW = "3:5"  # --memory-peaks: ours records steps 3 and 4
@@ -269,31 +412,20 @@ def run_ours(
     extra: list[str], text: tuple[Path, Path] | None = None, memory: bool = False,
     warmup: int | None = None,
 ) -> dict:  # fmt: skip
-    """The preset on synthetic ids at Llama 3's vocabulary; with `text` (--quality), on that
-    packed train and validation text, evaluated at the last step, with a short warm-up
-    (`warmup` steps; None: a tenth of `steps`)."""
+    """Ours' trainer (ours_command's arguments), on synthetic ids at the shape's vocabulary
+    written here where missing."""
     from pytrain import _loader
     from pytrain.train.cli import read_fallbacks, read_start_line
 
-    data = work / "syn128k"
-    if text is not None:
-        data = text[0]
-        extra = [*extra, "--data.val_path", str(text[1]), "--eval_every", str(steps),
-                 "--eval_batches", str(VAL_BATCHES), "--optim.warmup_steps",
-                 str(steps // 10 if warmup is None else warmup)]  # fmt: skip
-    elif not (data / "manifest.json").exists():
+    data = synthetic_ids(work, shape)
+    if text is None and not (data / "manifest.json").exists():
         _loader.write_synthetic(str(data), 20000, mu=7.0, sigma=1.0, vocab=shape["vocab"], seed=0)
     name = f"ours-{seq}-{label}"
-    if memory:
-        extra = [*extra, "--profile_steps", MEMORY_WINDOW, "--profile_memory"]
     # A fresh run directory: an old one would be resumed (and its ~16 GB checkpoint kept).
     shutil.rmtree(work / "runs" / name, ignore_errors=True)
-    launch = [*torchrun(gpus), "-m"] if gpus > 1 else [sys.executable, "-m"]
-    cmd = [*launch, "pytrain.train", "--no-progress", "--config", shape["preset"],
-           "--data.path", str(data), "--data.seq_len", str(seq), "--data.batch_size", str(rows),
-           "--optim.grad_accum", str(accum),
-           "--max_steps", str(steps), "--eval_every", "0", "--samples", "0", "--log_every", "1",
-           "--ckpt_every", "0", "--out_dir", str(work / "runs"), "--name", name, *extra]  # fmt: skip
+    cmd = ours_command(
+        work, shape, gpus, seq, rows, accum, steps, label, extra, text, memory, warmup
+    )
     log = work / "runs" / name / "train.log"
     t0 = time.perf_counter()
     code, out = run_until_step(cmd, log, steps, evaluated=text is not None)
@@ -318,6 +450,38 @@ def run_ours(
             "train_loss": quarter_means([x["loss"] for x in logged if "loss" in x]),
             **({"val_loss": float(vals[-1])} if vals else {}),
             **({"memory": md.read_text()} if memory and md.exists() else {})}  # fmt: skip
+
+
+def ours_command(
+    work: Path, shape: dict, gpus: int, seq: int, rows: int, accum: int, steps: int, label: str,
+    extra: list[str], text: tuple[Path, Path] | None = None, memory: bool = False,
+    warmup: int | None = None,
+) -> list[str]:  # fmt: skip
+    """Ours' command line: the preset with the shape's flags and then `extra`, on synthetic
+    ids (synthetic_ids); with `text` (--quality), on that packed train and validation text,
+    evaluated at the last step, with a short warm-up (`warmup` steps; None: a tenth of
+    `steps`)."""
+    data = synthetic_ids(work, shape)
+    if text is not None:
+        data = text[0]
+        extra = [*extra, "--data.val_path", str(text[1]), "--eval_every", str(steps),
+                 "--eval_batches", str(VAL_BATCHES), "--optim.warmup_steps",
+                 str(steps // 10 if warmup is None else warmup)]  # fmt: skip
+    if memory:
+        extra = [*extra, "--profile_steps", MEMORY_WINDOW, "--profile_memory"]
+    launch = [*torchrun(gpus), "-m"] if gpus > 1 else [sys.executable, "-m"]
+    return [*launch, "pytrain.train", "--no-progress", "--config", shape["preset"],
+            *shape.get("ours_flags", []),
+            "--data.path", str(data), "--data.seq_len", str(seq), "--data.batch_size", str(rows),
+            "--optim.grad_accum", str(accum),
+            "--max_steps", str(steps), "--eval_every", "0", "--samples", "0", "--log_every", "1",
+            "--ckpt_every", "0", "--out_dir", str(work / "runs"), "--name", f"ours-{seq}-{label}",
+            *extra]  # fmt: skip
+
+
+def synthetic_ids(work: Path, shape: dict) -> Path:
+    """Ours' synthetic dataset at the shape's vocabulary (ours takes the dataset's)."""
+    return work / f"syn{shape['vocab']}"
 
 
 def quarter_means(losses: list[float]) -> list[float]:
@@ -385,9 +549,56 @@ def quality_rows(
     return rows
 
 
-def brief(result: dict) -> dict:
-    """A run's result line: all but the table of its memory peak (printed at the end)."""
-    return {k: v for k, v in result.items() if k != "memory"}
+def run_line(seq: int, label: str, result: dict) -> str:
+    """A run's line as it ends: its result, all but the table of its memory peak (printed at
+    the end); with --dry-run, its command."""
+    if "command" in result:
+        return f"[{seq}] {label}:\n    {result['command']}"
+    return f"[{seq}] {label}: { {k: v for k, v in result.items() if k != 'memory'} }"
+
+
+def dry_ours(*args, **kwargs) -> dict:
+    """--dry-run's run_ours: the command it would run."""
+    return {"command": shlex.join(ours_command(*args, **kwargs))}
+
+
+def dry_titan(work: Path, site: Path, shape: dict, gpus: int, seq: int, rows: int, accum: int,
+              steps: int, label: str, *args, **kwargs) -> dict:  # fmt: skip
+    """--dry-run's run_titan: the command it would run, after the variables it sets."""
+    cmd = titan_command(work, shape, gpus, seq, rows, accum, steps, *args, **kwargs)
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in titan_env(site).items())
+    return {"command": f"{env} {shlex.join(cmd)}"}
+
+
+def shape_defaults(args: argparse.Namespace, shape: dict) -> None:
+    """--rows, --accum and --runs where the command names none: the shape's, else DEFAULTS'."""
+    for key, value in {**DEFAULTS, **shape.get("defaults", {})}.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+
+def experts_only(titan_runs: list[str]) -> list[str]:
+    """torchtitan's runs among `titan_runs` that convert experts (an MoE shape's only)."""
+    return [n for n in titan_runs if (TITAN_RUNS[n] or ("",))[0] == "grouped_mm"]
+
+
+def prepare_text(args: argparse.Namespace) -> tuple[Path | None, tuple[Path, Path] | None]:
+    """torchtitan's tokenizer and text in --work; with --quality, the held-out split and ours'
+    packed text (split_and_pack), else (None, None)."""
+    work = args.work
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "titan-tokenizer").mkdir(exist_ok=True)
+    tokenizer = args.tokenizer or default_tokenizer()
+    (work / "titan-tokenizer" / "tokenizer.json").write_bytes(tokenizer.read_bytes())
+    (work / "titan-corpus").mkdir(exist_ok=True)
+    corpus = work / "titan-corpus" / "train.json"
+    if args.text:
+        corpus.write_bytes(args.text.read_bytes())
+    else:
+        write_text_jsonl(corpus)
+    if not args.quality:
+        return None, None
+    return split_and_pack(work, corpus, work / "titan-tokenizer" / "tokenizer.json")
 
 
 def run_until_step(cmd: list[str], log: Path, steps: int, evaluated: bool) -> tuple[int, str]:
@@ -545,16 +756,21 @@ def main() -> int:
         "--shape",
         choices=sorted(SHAPES),
         default="1b",
-        help="Llama-3.2-1B's or Llama-3.1-8B's shape (default 1b)",
+        help="Llama-3.2-1B's, Llama-3.1-8B's or 8 layers of Qwen3-30B-A3B's shape (default 1b)",
     )
     p.add_argument("--gpus", type=int, default=1, help="GPUs of this host, both sides (default 1)")
     p.add_argument("--seq", default="2048")
-    p.add_argument("--rows", type=int, default=8, help="rows per micro-batch (4 fit at 4096)")
-    p.add_argument("--accum", type=int, default=4, help="micro-batches per optimizer step")
+    p.add_argument("--rows", type=int, default=None,
+                   help="rows per micro-batch (default 8, 2 at qwen3-moe-8l; 4 fit at 4096 at 1b)")  # fmt: skip
+    p.add_argument("--accum", type=int, default=None,
+                   help="micro-batches per optimizer step (default 4, 1 at qwen3-moe-8l)")  # fmt: skip
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--runs", default=",".join(RUNS),
-                   help=f"which runs, comma-separated (default: {', '.join(RUNS)}; also "
-                   f"{', '.join(r for r in ALL_RUNS if r not in RUNS)})")  # fmt: skip
+    p.add_argument("--runs", default=None,
+                   help=f"which runs, comma-separated (default: {', '.join(RUNS)}; at qwen3-moe-8l "
+                   f"{', '.join(MOE_RUNS)}; also "
+                   f"{', '.join(r for r in ALL_RUNS if r not in RUNS + MOE_RUNS)})")  # fmt: skip
+    p.add_argument("--dry-run", action="store_true",
+                   help="print each run's command, run nothing")  # fmt: skip
     p.add_argument("--ours-ac", default="",
                    help="activation checkpointing policies to run each of ours with, comma-"
                    "separated (e.g. every-2,selective): one row each, named so; default: the "
@@ -589,31 +805,25 @@ def main() -> int:
     args = p.parse_args()
     if args.memory_peaks and args.steps < int(MEMORY_WINDOW.split(":")[1]):
         p.error(f"--memory-peaks records ours over steps {MEMORY_WINDOW}: --steps at least 5")
+    if args.dry_run and args.quality:
+        p.error(
+            "--dry-run shows the commands of runs without --quality (its text is prepared first)"
+        )
+    shape = SHAPES[args.shape]
+    shape_defaults(args, shape)
     try:
         variants = ours_variants(args.ours_ac, args.ours_variant)
         ours_runs, titan_runs = chosen_runs(args.runs)
         seeds = parse_seeds(args.seeds)
     except ValueError as e:
         p.error(str(e))
-    shape = SHAPES[args.shape]
-    print(machine_line(), flush=True)
+    if "experts" not in shape and (moe := experts_only(titan_runs)):
+        p.error(f"--runs: {', '.join(f'torchtitan {n}' for n in moe)} needs an MoE --shape")
     work = args.work
-    work.mkdir(parents=True, exist_ok=True)
-    (work / "titan-tokenizer").mkdir(exist_ok=True)
-    tokenizer = args.tokenizer or default_tokenizer()
-    (work / "titan-tokenizer" / "tokenizer.json").write_bytes(tokenizer.read_bytes())
-    (work / "titan-corpus").mkdir(exist_ok=True)
-    corpus = work / "titan-corpus" / "train.json"
-    if args.text:
-        corpus.write_bytes(args.text.read_bytes())
-    else:
-        write_text_jsonl(corpus)
-    titan_val: Path | None = None
-    ours_text: tuple[Path, Path] | None = None
-    if args.quality:
-        titan_val, ours_text = split_and_pack(
-            work, corpus, work / "titan-tokenizer" / "tokenizer.json"
-        )
+    run_ours_, run_titan_ = (dry_ours, dry_titan) if args.dry_run else (run_ours, run_titan)
+    if not args.dry_run:
+        print(machine_line(), flush=True)
+    titan_val, ours_text = (None, None) if args.dry_run else prepare_text(args)
     # Each side's runs once per sequence length; the comparisons pair them afterwards.
     results: dict[int, dict[str, dict]] = {}
     for seq, seed in itertools.product((int(s) for s in args.seq.split(",")), seeds):
@@ -622,28 +832,30 @@ def main() -> int:
         seed_flags = [] if seed is None else ["--seed", str(seed)]
         for name, (variant, flags) in itertools.product(ours_runs, variants):
             label = f"ours {name}" + (f" ({variant})" if variant else "") + tag
-            r[label] = run_ours(
+            r[label] = run_ours_(
                 work, shape, args.gpus, seq, args.rows, args.accum, args.steps,
                 re.sub(r"[^A-Za-z0-9.]+", "-", label.removeprefix("ours ")).strip("-"),
                 [*OURS_RUNS[name], *flags, *shlex.split(args.ours_flags), *seed_flags],
                 ours_text, args.memory_peaks, args.warmup,
             )  # fmt: skip
-            print(f"[{seq}] {label}: {brief(r[label])}", flush=True)
+            print(run_line(seq, label, r[label]), flush=True)
         for name in titan_runs:
             label = f"torchtitan {name}{tag}"
-            r[label] = run_titan(
+            r[label] = run_titan_(
                 work, args.titan_site, shape, args.gpus, seq, args.rows, args.accum, args.steps,
                 name + tag, TITAN_RUNS[name], titan_val, args.memory_peaks, seed, args.warmup,
             )  # fmt: skip
-            print(f"[{seq}] {label}: {brief(r[label])}", flush=True)
+            print(run_line(seq, label, r[label]), flush=True)
+    if args.dry_run:
+        return 0
     where = "one GPU" if args.gpus == 1 else f"{args.gpus} GPUs, FSDP2"
     print(f"\n{shape['title']} shape on {where}, {args.rows} rows x {args.accum} "
           "micro-batches a step on each GPU; tok/s per GPU\n")  # fmt: skip
     if args.ours_flags:
         print(f"(every run of ours with {args.ours_flags})\n")
     if args.quality:
-        print("(--quality: ours ran at its text's vocabulary, not 128256: its tokens/s and MFU\n"
-              "below are not comparable with torchtitan's; use a run without --quality)\n")  # fmt: skip
+        print(f"(--quality: ours ran at its text's vocabulary, not {shape['vocab']}: its tokens/s and\n"
+              "MFU below are not comparable with torchtitan's; use a run without --quality)\n")  # fmt: skip
     rows = []
     for seq, r in results.items():
         f = flops_per_token(shape, seq) / 1e12 / PEAK_TFLOPS
@@ -655,7 +867,15 @@ def main() -> int:
                              f"{x['peak_gib']:.1f}", x.get("setup", "-")])  # fmt: skip
     print(
         markdown_table(
-            ["seq", "run", "tok/s", "MFU", "peak GiB", "ours: attention, output layer, MLP"], rows
+            [
+                "seq",
+                "run",
+                "tok/s",
+                "MFU (active)" if "experts" in shape else "MFU",
+                "peak GiB",
+                "ours: attention, output layer, MLP",
+            ],
+            rows,
         )
     )
     if args.quality:

@@ -39,7 +39,8 @@ def export(
 
     from pytrain.config import ConfigError
     from pytrain.data.shards import read_manifest
-    from pytrain.model.hf import hf_config, to_hf
+    from pytrain.model import families
+    from pytrain.model.hf import NotExportable
     from pytrain.model.load import dataset_of, load
 
     try:  # before the minutes an 8B's checkpoint takes to read: the library's own parser
@@ -54,15 +55,18 @@ def export(
     gpt, cfg = loaded.gpt, loaded.gpt.cfg
     data = dataset_of(loaded.config["data"])
     tok = {} if data is None else read_manifest(data)["tokenizer"]
-    config = hf_config(cfg, gpt.vocab, tok.get("eos_id"), tok.get("bos_id"))
+    hf = families.of(cfg).hf
+    try:
+        config = hf.hf_config(cfg, gpt.vocab, tok.get("eos_id"), tok.get("bos_id"))
+        weights = hf.to_hf(cfg, gpt.state_dict())
+    except NotExportable as e:
+        raise ConfigError(f"{src}: {e}") from None
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     config["torch_dtype"] = DTYPES[dtype]
-    weights = {
-        k: v.to(getattr(torch, DTYPES[dtype])) for k, v in to_hf(cfg, gpt.state_dict()).items()
-    }
+    weights = {k: v.to(getattr(torch, DTYPES[dtype])) for k, v in weights.items()}
     write_weights(weights, out, max_shard_size)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],

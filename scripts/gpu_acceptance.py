@@ -23,6 +23,9 @@ repeated runs of one preset would):
               a new run `--init_from` the export (continued pretraining: its first loss
               is the trained model's; ended once that is logged); tokens/s and peak memory in the note
               (1B and 3B need an 80 GB GPU; 3B ~110 GB of disk)
+  moe         configs/moe-1.8b-a320m.toml the same way, balanced as Qwen3 balances
+              (--model.balance_rate 0 --model.aux_loss 0.001), so that its export is a
+              Qwen3MoeForCausalLM with our logits
 
 Rows for a host of 4 GPUs of 80 GB, run only where --rows names them (the default rows run
 on one GPU); on fewer GPUs each fails at once, saying so:
@@ -72,6 +75,8 @@ PY = sys.executable
 TRAIN = [PY, "-m", "pytrain.train", "--no-progress"]
 TORCHRUN = [PY, "-m", "torch.distributed.run"]
 MULTI_GPU = ("llama-8b", "two-agent")
+QWEN3_BALANCE = ("--model.balance_rate", "0", "--model.aux_loss", "0.001")
+"""A mixture of experts balanced by Qwen3's global loss instead of the preset's bias."""
 """The rows that need 4 GPUs: not in --rows' default, which runs on one GPU."""
 VOCAB = 128256
 """Llama 3's vocabulary: the multi-GPU rows' synthetic ids, as the Llama presets train."""
@@ -420,35 +425,38 @@ print(f"class {type(theirs).__name__} max_abs_diff {(a - b).abs().max().item():.
 """
 
 
-def row_llama(work: Path, preset: str) -> Row:
-    """configs/<preset>.toml as shipped, shortened (the embedded default's data and
-    tokenizer, so a vocabulary of 4096; 2 micro-batches a step): evaluation, a
-    checkpoint, the resume, then `python -m pytrain.export` of the run, loaded by
-    transformers as LlamaForCausalLM with logits equal to ours, and a new run from that
+def row_llama(work: Path, preset: str, name: str = "", extra: tuple[str, ...] = (),
+              hf_class: str = "LlamaForCausalLM") -> Row:  # fmt: skip
+    """configs/<preset>.toml as shipped (with `extra` flags), shortened (the embedded
+    default's data and tokenizer, so a vocabulary of 4096; 2 micro-batches a step):
+    evaluation, a checkpoint, the resume, then `python -m pytrain.export` of the run,
+    loaded by transformers as `hf_class` with logits equal to ours, and a new run from that
     export (`--init_from`, continued()). The note has the steady
     tokens/s and the peak GPU memory. Its checkpoints (with AdamW's state: ~16 GB at 1B,
     ~51 GB at 3B, and two exist while the last is written) are deleted at the end."""
-    row = Row(preset, "")
+    row = Row(name or preset, "")
     train, val = default_dataset(work)
     args = ["--config", f"configs/{preset}.toml", "--data.path", str(train), "--data.val_path", str(val),
             "--optim.grad_accum", "2", "--compile.cache_dir", str(work / "inductor-cache"),
             "--samples", "1", "--eval_every", "5", "--ckpt_every", "10", "--eval_batches", "4",
-            "--keep_ckpts", "1", "--log_every", "1"]  # fmt: skip
+            "--keep_ckpts", "1", "--log_every", "1", *extra]  # fmt: skip
     train_twice(row, work, args, first=10, total=20)
-    hf = work / f"{preset}-hf"
-    problems, exported = export_matches(work, row, hf)
-    problems += continued(work, preset, args, hf, row.train_loss)
+    hf = work / f"{row.name}-hf"
+    problems, exported = export_matches(work, row, hf, hf_class)
+    problems += continued(work, row.name, args, hf, row.train_loss)
     conclude(row, problems, f"{figures(work, row)}; {exported}")
     drop_checkpoints(work / "runs" / row.name)
     shutil.rmtree(hf, ignore_errors=True)
-    shutil.rmtree(work / "runs" / f"{preset}-continued", ignore_errors=True)
+    shutil.rmtree(work / "runs" / f"{row.name}-continued", ignore_errors=True)
     return row
 
 
-def export_matches(work: Path, row: Row, hf: Path) -> tuple[list[str], str]:
+def export_matches(
+    work: Path, row: Row, hf: Path, hf_class: str = "LlamaForCausalLM"
+) -> tuple[list[str], str]:
     """`python -m pytrain.export` of the row's run into `hf`, loaded by transformers as
-    LlamaForCausalLM with our logits within LOGITS_TOLERANCE (LOGITS_CHECK): (problems,
-    what was found)."""
+    `hf_class` with our logits within LOGITS_TOLERANCE (LOGITS_CHECK): (problems, what was
+    found)."""
     run_dir = work / "runs" / row.name
     shutil.rmtree(hf, ignore_errors=True)
     rc, _ = run(
@@ -458,9 +466,9 @@ def export_matches(work: Path, row: Row, hf: Path) -> tuple[list[str], str]:
     m = re.search(r"class (\w+) max_abs_diff (\S+) max_abs_logit (\S+)", out)
     if rc or rc2 or not m:
         return [f"export exit {rc}, logits check exit {rc2}"], ""
-    if m.group(1) != "LlamaForCausalLM" or float(m.group(2)) > LOGITS_TOLERANCE:
+    if m.group(1) != hf_class or float(m.group(2)) > LOGITS_TOLERANCE:
         return [f"export: {m.group(1)}, logits differ by {m.group(2)}"], ""
-    return [], f"export: LlamaForCausalLM, logits within {m.group(2)} (of up to {m.group(3)})"
+    return [], f"export: {hf_class}, logits within {m.group(2)} (of up to {m.group(3)})"
 
 
 def figures(work: Path, row: Row) -> str:
@@ -747,6 +755,8 @@ ROWS = {
     "llama-350m": lambda w: row_llama(w, "llama-350m"),
     "llama-1b": lambda w: row_llama(w, "llama-1b"),
     "llama-3b": lambda w: row_llama(w, "llama-3b"),
+    # Balanced as Qwen3 balances (no bias), so that it exports to Qwen3MoeForCausalLM.
+    "moe": lambda w: row_llama(w, "moe-1.8b-a320m", "moe", QWEN3_BALANCE, "Qwen3MoeForCausalLM"),
     "llama-8b": row_llama_8b,
     "two-agent": row_two_agent,
 }

@@ -8,6 +8,7 @@ library or GPU is missing)."""
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -817,3 +818,49 @@ def test_profile_memory_writes_the_allocators_history_over_the_profiled_steps(tm
     # and what the allocator had reserved by stream, the compute stream's among them
     reserved = re.search(r"Reserved at the window's end: ([\d.]+) GiB", table)
     assert reserved and float(reserved.group(1)) >= window_gib and "| 0x0 |" in table, table
+
+
+@needs_cuda
+def test_a_compiled_moe_step_runs_without_a_host_sync(tmp_path: Path):
+    """A mixture of experts' training step (router, grouped GEMMs, balancing bias, fused
+    AdamW), compiled, queued under torch.cuda.set_sync_debug_mode("error"): any host sync
+    raises, so the step could run under CUDA graphs. Its loss matches the loop reference's
+    (one matmul an expert, eager) on the same weights and batch."""
+    from pytrain.config import parse_args
+    from pytrain.train.trainer import Trainer
+
+    data = tmp_path / "ds"
+    _loader.write_synthetic(str(data), 2000, mu=5.5, sigma=1.0, vocab=4096, seed=5)
+    cfg = parse_args(
+        [
+            "--data.path", str(data), "--out_dir", str(tmp_path / "runs"),
+            "--model.family", "moe", "--model.experts", "16", "--model.top_k", "4",
+            "--model.expert_hidden", "128", "--model.qk_norm", "true", "--model.n_layer", "2",
+            "--model.d_model", "128", "--model.n_head", "4", "--model.attention", "causal",
+            "--data.seq_len", "256", "--data.batch_size", "4", "--max_steps", "4",
+            "--eval_every", "0", "--ckpt_every", "0", "--samples", "0", "--no-progress",
+            "--no-tensorboard", "--compile",
+        ]
+    )  # fmt: skip
+    t = Trainer(cfg)
+    t.warm_up()
+    t.settle(t.train_step(t.feed.take(1)[0]))
+    batches, _ = t.feed.take(1)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pending = t.train_step(batches)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert math.isfinite(t.settle(pending).loss) and not t.compiler.fallbacks
+    bias = t.gpt.moe_layers()[0].expert_bias
+    assert bias.any()  # moved twice on the device
+    with torch.no_grad(), t.precision.autocast(t.device):
+        b = batches[0]
+        args = (b.input_ids, b.targets, b.position_ids, b.loss_mask, None)
+        grouped = t.gpt.loss_sum(*args).float()
+        for m in t.gpt.moe_layers():
+            m.experts.kernel = "loop"
+        loop = t.gpt.loss_sum(*args).float()
+    assert abs(grouped.item() - loop.item()) <= 2e-3 * abs(loop.item())
+    t.close()

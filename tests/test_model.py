@@ -21,7 +21,9 @@ def test_residual_stream_dtype_follows_the_config():
         cfg = ModelConfig(vocab_size=200, n_layer=2, n_head=2, d_model=32, residual=choice)
         m = GPT(cfg).train()
         seen = []
-        m.blocks[0].register_forward_hook(lambda mod, args, out, seen=seen: seen.append(out.dtype))
+        m.blocks[0].register_forward_hook(
+            lambda mod, args, out, seen=seen: seen.append(out[0].dtype)
+        )
         ids = torch.randint(0, 200, (8, 64), generator=torch.Generator().manual_seed(1))
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             losses[choice] = float(

@@ -1,5 +1,6 @@
-"""benchmarks/titan.py: the ways ours runs (--ours-ac, --ours-variant), each a row of its own, and
---memory-peaks: what held each run's peak."""
+"""benchmarks/titan.py: the ways ours runs (--ours-ac, --ours-variant), each a row of its own,
+--memory-peaks: what held each run's peak, and the mixture-of-experts shape (qwen3-moe-8l):
+both sides' commands (--dry-run) and the active parameters behind its MFU."""
 
 import pytest
 from conftest import load_script
@@ -279,3 +280,78 @@ def test_torchtitans_8b_command_carries_its_recipe_and_the_seed(tmp_path, monkey
         assert flags in cmd, flags
     titan.run_titan(tmp_path, tmp_path, titan.SHAPES["8b"], 4, 8192, 1, 2, 10, "bf16", None)
     assert "--debug.seed" not in ran[1]  # no seed asked for: torchtitan's own
+
+
+def test_the_moe_shape_counts_active_parameters_once_for_both_sides():
+    """MFU at qwen3-moe-8l over the parameters a token passes through (the router, 8 of 128
+    experts, the output layer; no embedding): 766,283,776, as torchtitan 0.2.2's own count
+    and ours' model give for 8 layers of Qwen3-30B-A3B; the dense shapes' count unchanged."""
+    moe = titan.SHAPES["qwen3-moe-8l"]
+    assert titan.active_params(moe) == 766_283_776
+    assert titan.flops_per_token(moe, 4096) == 6 * 766_283_776 + 12 * 8 * 32 * 128 * 4096
+    assert titan.active_params(titan.SHAPES["1b"]) == 1_235_814_400  # as before the MoE shape
+
+
+def test_the_moe_shapes_commands_on_both_sides(tmp_path):
+    """Both sides at 2 rows of 4096 in one micro-batch: torchtitan's qwen3 through the
+    flavor the worker registers, its checkpointing off, its float8 run on the experts'
+    grouped GEMMs only; ours the preset at 8 layers on synthetic ids at Qwen3's vocabulary."""
+    moe = titan.SHAPES["qwen3-moe-8l"]
+    cmd = titan.titan_command(tmp_path, moe, 1, 4096, 2, 1, 30, titan.TITAN_RUNS["fp8 experts"])
+    line = " ".join(cmd)
+    for flags in ("--titan-run --model.name qwen3 --model.flavor 30B-A3B-8L",
+                  "--training.local_batch_size 2 --training.global_batch_size 2",
+                  "--training.seq_len 4096", "--compile.enable --activation_checkpoint.mode none",
+                  "--model.converters quantize.grouped_mm.float8 "
+                  "--quantize.grouped_mm.float8.fqns experts"):  # fmt: skip
+        assert flags in line, flags
+    assert "quantize.linear" not in line
+    bf16 = titan.titan_command(tmp_path, moe, 1, 4096, 2, 1, 30, None)
+    assert "--model.converters" not in bf16
+    ours = " ".join(titan.ours_command(tmp_path, moe, 1, 4096, 2, 1, 30, "bf16", ["--x", "y"]))
+    assert (f"--config configs/qwen3-moe-30b-a3b.toml --model.n_layer 8 --activation_checkpointing "
+            f"off --data.path {tmp_path / 'syn151936'} --data.seq_len 4096 --data.batch_size 2 "
+            "--optim.grad_accum 1") in ours and ours.endswith("--x y")  # fmt: skip
+
+
+def test_dry_run_prints_the_moe_shapes_default_runs_and_refuses_experts_at_a_dense_shape(tmp_path):
+    import subprocess
+    import sys
+
+    def dry(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "benchmarks/titan.py", "--titan-site", str(tmp_path),
+                               "--work", str(tmp_path / "w"), "--dry-run", *args],
+                              capture_output=True, text=True, cwd=titan.ROOT, timeout=120)  # fmt: skip
+
+    r = dry("--shape", "qwen3-moe-8l", "--seq", "4096", "--steps", "30")
+    assert r.returncode == 0, r.stderr
+    runs = [x for x in r.stdout.splitlines() if x.startswith("[4096] ")]
+    assert runs == [f"[4096] {n}:" for n in titan.MOE_RUNS]
+    assert "PYTORCH_ALLOC_CONF=expandable_segments:True" in r.stdout  # torchtitan's launcher's
+    assert "--data.batch_size 2 --optim.grad_accum 1" in r.stdout
+    assert not (tmp_path / "w").exists()  # nothing prepared, nothing run
+    r = dry("--runs", "torchtitan fp8 experts")
+    assert r.returncode == 2 and "torchtitan fp8 experts needs an MoE --shape" in r.stderr
+
+
+def test_torchao_017s_float8_moe_config_answers_to_torchtitans_old_name(monkeypatch):
+    """torchtitan 0.2.2 imports MoETrainingConfig, which torchao 0.17 renamed: the worker
+    gives the new class the old name, and leaves a torchao that has it alone."""
+    import sys
+    import types
+
+    utils, config = types.ModuleType("conversion_utils"), types.ModuleType("config")
+    config.Float8TrainingOpConfig = type("Float8TrainingOpConfig", (), {})
+    package = types.ModuleType("moe_training")
+    package.conversion_utils, package.config = utils, config
+    for name, module in (("torchao", types.ModuleType("torchao")),
+                         ("torchao.prototype", types.ModuleType("prototype")),
+                         ("torchao.prototype.moe_training", package),
+                         ("torchao.prototype.moe_training.conversion_utils", utils),
+                         ("torchao.prototype.moe_training.config", config)):  # fmt: skip
+        monkeypatch.setitem(sys.modules, name, module)
+    titan.alias_torchao_moe_config()
+    assert utils.MoETrainingConfig is config.Float8TrainingOpConfig
+    utils.MoETrainingConfig = old = object()
+    titan.alias_torchao_moe_config()
+    assert utils.MoETrainingConfig is old

@@ -5,9 +5,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-ARCHITECTURE = ("vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "mlp", "mlp_ratio",
-                "tie_embeddings", "rope_base", "rope_scaling", "rope_factor", "rope_original_len",
-                "norm_eps")  # fmt: skip
+ARCHITECTURE = ("family", "vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "mlp",
+                "mlp_ratio", "tie_embeddings", "rope_base", "rope_scaling", "rope_factor",
+                "rope_original_len", "norm_eps", "head_size", "qk_norm", "experts", "top_k", "expert_hidden",
+                "shared_experts", "dense_layers", "router_score", "norm_topk",
+                "route_scale")  # fmt: skip
+
+BALANCE = ("balance_rate", "aux_loss", "seq_aux_loss", "z_loss")
+"""How a mixture of experts balances its load (a source's own where --init_from reads a
+Hugging Face directory)."""
 
 CHOICES = {
     "mlp": ("swiglu", "gelu"),
@@ -20,6 +26,9 @@ CHOICES = {
     "fused_swiglu": ("auto", "on", "off", "quack"),
     "float8": ("off", "tensorwise", "rowwise"),
     "rope_scaling": ("none", "llama3"),
+    "family": ("dense", "moe"),
+    "router_score": ("softmax", "sigmoid"),
+    "moe_kernel": ("auto", "grouped", "loop"),
 }
 """The settings that take one of a few words, and the words: checked where the command line
 and presets are read (one line naming the setting) and where a model is built."""
@@ -27,6 +36,11 @@ and presets are read (one line naming the setting) and where a model is built.""
 
 @dataclass
 class ModelConfig:
+    family: str = "dense"
+    """The model registry's entry (pytrain.model.families): 'dense' (every block's MLP
+    dense: Llama, or GPT with GELU) or 'moe' (mixture of experts: each block's MLP a router
+    over `experts` SwiGLU experts, the first `dense_layers` blocks dense; Qwen3-MoE,
+    OLMoE, DeepSeek-V3's routing)."""
     vocab_size: int = 4096
     """Rounded up to a multiple of 64 for fast matmuls; set from the dataset if 0."""
     n_layer: int = 4
@@ -85,6 +99,48 @@ class ModelConfig:
     extra `float8`; GPUs with FP8: Ada, Hopper, Blackwell): 'off', 'tensorwise' or
     'rowwise' (torchao's recipes). pytrain/model/float8.py."""
     max_seq_len: int = 4096
+    head_size: int = 0
+    """Each attention head's width; 0 = d_model / n_head. Qwen3's are wider: 32 heads of
+    128 over d_model 2048 (queries of 4096 projected back to 2048)."""
+    qk_norm: bool = False
+    """An RMSNorm over each query and key head before RoPE (Qwen3, OLMoE)."""
+    # ---- mixture of experts (family 'moe'; pytrain.model.moe) ----------------------------
+    experts: int = 8
+    """Routed experts in each MoE block."""
+    top_k: int = 2
+    """Experts each token is routed to (dropless: every token reaches all of its top_k)."""
+    expert_hidden: int = 0
+    """Each expert's SwiGLU width; 0 = the dense MLP's (mlp_hidden)."""
+    shared_experts: int = 0
+    """Experts every token passes through besides its routed ones (DeepSeek-V3: 1), as one
+    SwiGLU of shared_experts x expert_hidden."""
+    dense_layers: int = 0
+    """The first blocks with a dense MLP instead of experts (DeepSeek-V3: 3)."""
+    router_score: str = "softmax"
+    """The router's scores from its fp32 logits: 'softmax' (Qwen3-MoE, OLMoE) or 'sigmoid'
+    (DeepSeek-V3)."""
+    norm_topk: bool = True
+    """The top_k weights rescaled to sum to 1 (Qwen3-MoE: yes; OLMoE: no)."""
+    route_scale: float = 1.0
+    """The routed experts' output multiplied by this (DeepSeek-V3's routed_scaling_factor)."""
+    balance_rate: float = 1e-3
+    """Auxiliary-loss-free load balancing (DeepSeek-V3): after each optimizer step, each
+    expert's bias, added to its score for choosing experts only, moves by this much towards
+    the mean load (up when underused, down when overused); 0 = off. The bias is in the
+    checkpoint."""
+    aux_loss: float = 0.0
+    """The global load-balancing loss's weight (Switch, Qwen3-MoE: 0.001): experts x sum of
+    (fraction of tokens routed to an expert x its mean score) over each micro-batch."""
+    seq_aux_loss: float = 0.0
+    """The sequence-level balancing loss's weight (DeepSeek-V3: 1e-4): the same within
+    each row, averaged over rows."""
+    z_loss: float = 0.0
+    """The router z-loss's weight (ST-MoE: 1e-3): the mean squared log-sum-exp of the
+    router's logits."""
+    moe_kernel: str = "auto"
+    """The experts' matmuls: 'grouped' (torch._grouped_mm over the tokens sorted by expert,
+    no host sync), 'loop' (one matmul an expert: the reference), 'auto' (grouped on CUDA,
+    loop elsewhere)."""
 
     @classmethod
     def from_saved(cls, model: dict) -> ModelConfig:
@@ -104,15 +160,14 @@ class ModelConfig:
             raise ValueError(
                 f"model.n_head {self.n_head} and model.d_model {self.d_model}: need >= 1"
             )
-        if self.d_model % self.n_head:
+        if self.d_model % self.n_head and not self.head_size:
             raise ValueError(
                 f"model.d_model {self.d_model} is not a multiple of model.n_head {self.n_head}"
             )
         if self.head_dim % 2:
-            raise ValueError(
-                f"model.d_model {self.d_model} / model.n_head {self.n_head} = {self.head_dim}, "
-                "an odd head size: RoPE rotates pairs of dimensions"
-            )
+            where = (f"model.head_size {self.head_size}" if self.head_size else
+                     f"model.d_model {self.d_model} / model.n_head {self.n_head} = {self.head_dim}")  # fmt: skip
+            raise ValueError(f"{where}, an odd head size: RoPE rotates pairs of dimensions")
         if self.n_kv_head < 0 or self.n_head % self.kv_heads:
             raise ValueError(
                 f"model.n_kv_head {self.n_kv_head} does not divide model.n_head {self.n_head} "
@@ -132,10 +187,30 @@ class ModelConfig:
                 f"model.fused_swiglu=quack needs model.float8=off (here {self.float8}): "
                 "quack's GEMMs would bypass torchao's float8 linear layers"
             )
+        if self.family == "moe":
+            self.check_moe()
         if self.float8_head == "on" and self.fused_ce == "off":
             raise ValueError(
                 "model.float8_head=on needs the fused output layer (model.fused_ce auto or on)"
             )
+
+    def check_moe(self) -> None:
+        if self.experts < 1 or not 1 <= self.top_k <= self.experts:
+            raise ValueError(
+                f"model.top_k {self.top_k} with model.experts {self.experts}: need "
+                "1 <= top_k <= experts"
+            )
+        if not 0 <= self.dense_layers <= self.n_layer:
+            raise ValueError(
+                f"model.dense_layers {self.dense_layers}: need 0 <= it <= model.n_layer "
+                f"{self.n_layer}"
+            )
+        if self.mlp != "swiglu":
+            raise ValueError(f"model.family moe has SwiGLU experts: model.mlp is {self.mlp!r}")
+        for key in ("expert_hidden", "shared_experts", "balance_rate", "aux_loss",
+                    "seq_aux_loss", "z_loss"):  # fmt: skip
+            if getattr(self, key) < 0:
+                raise ValueError(f"model.{key} is {getattr(self, key)}; expected >= 0")
 
     def architecture(self) -> dict:
         """The settings that define the function the weights compute, by name: a checkpoint
@@ -149,7 +224,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_head
+        return self.head_size or self.d_model // self.n_head
 
     @property
     def mlp_hidden(self) -> int:
@@ -157,3 +232,12 @@ class ModelConfig:
         parameters), rounded up to a multiple of 64 for fast matmuls."""
         h = int(self.mlp_ratio * self.d_model * (2 / 3 if self.mlp == "swiglu" else 1))
         return 64 * math.ceil(h / 64)
+
+    @property
+    def expert_width(self) -> int:
+        """Each expert's SwiGLU width (expert_hidden, or the dense MLP's)."""
+        return self.expert_hidden or self.mlp_hidden
+
+    def is_moe_block(self, i: int) -> bool:
+        """Whether block i routes over experts."""
+        return self.family == "moe" and i >= self.dense_layers

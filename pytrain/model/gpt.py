@@ -147,12 +147,17 @@ class Attention(nn.Module):
             cfg.d_model, (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim, bias=False
         )
         self.enable_gqa = cfg.kv_heads != cfg.n_head
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
         self.dropout = cfg.dropout
         self.backend = cfg.sdpa_backend
+        if cfg.qk_norm:  # Qwen3's: each head's query and key normalised before RoPE
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+        self.qk_norm = cfg.qk_norm
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None = None) -> torch.Tensor:
-        B, T, C = x.shape
+        B, T, _ = x.shape
+        C = self.n_head * self.head_dim  # d_model, unless model.head_size sets it (Qwen3)
         # (B, T, H, D) views of one projection: FA4's layout; SDPA and flex take the
         # (B, H, T, D) transpose of the same views (no copy).
         q, k, v = (
@@ -160,6 +165,8 @@ class Attention(nn.Module):
             .view(B, T, -1, self.head_dim)
             .split((self.n_head, self.kv_heads, self.kv_heads), dim=2)
         )
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if isinstance(mask, flash4.Segments) or (mask is None and self.backend == "fa4"):
             if self.training and self.dropout:
@@ -188,11 +195,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, hidden: int = 0):
+        """`hidden`: the width, where not cfg.mlp_hidden (a mixture's shared experts)."""
         super().__init__()
         self.cfg = cfg
         self.swiglu = cfg.mlp == "swiglu"
-        hidden = cfg.mlp_hidden
+        hidden = hidden or cfg.mlp_hidden
         self.up = nn.Linear(cfg.d_model, hidden * (2 if self.swiglu else 1), bias=False)
         self.down = nn.Linear(hidden, cfg.d_model, bias=False)
 
@@ -214,12 +222,16 @@ class MLP(nn.Module):
 class Block(nn.Module):
     recompute: dict | None
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, mlp: nn.Module):
         super().__init__()
         self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = mlp
+        # A mixture of experts returns its auxiliary loss beside its output (None where it
+        # has none): it travels up through the blocks' returns, not as a module attribute,
+        # so that compiled and recomputed blocks give it alike.
+        self.mlp_returns_aux = getattr(mlp, "returns_aux", False)
         # checkpoint()'s options where training recomputes this block's forward in the
         # backward, else None (GPT.set_activation_checkpointing).
         self.recompute: dict | None = None
@@ -235,8 +247,12 @@ class Block(nn.Module):
         return self.compute(x, cos, sin, mask, cache)
 
     def compute(self, x, cos, sin, mask, cache: KVCache | None = None):
+        """(the block's output, its auxiliary loss or None)."""
         x = x + self.attn(self.norm1(x), cos, sin, mask, cache)
-        return x + self.mlp(self.norm2(x))
+        if self.mlp_returns_aux:
+            y, aux = self.mlp(self.norm2(x))
+            return x + y, aux
+        return x + self.mlp(self.norm2(x)), None
 
 
 class GPT(nn.Module):
@@ -249,7 +265,7 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.vocab = 64 * math.ceil(cfg.vocab_size / 64)
         self.embed = nn.Embedding(self.vocab, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, self.make_mlp(cfg, i)) for i in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, self.vocab, bias=False)
         if cfg.tie_embeddings:
@@ -259,6 +275,10 @@ class GPT(nn.Module):
             table = torch.empty(cfg.max_seq_len, cfg.head_dim // 2)
             self.register_buffer(name, table, persistent=False)
         self.init_weights()
+
+    def make_mlp(self, cfg: ModelConfig, i: int) -> nn.Module:
+        """Block i's MLP (a family's model class chooses its own: pytrain.model.moe)."""
+        return MLP(cfg)
 
     @classmethod
     def create(cls, cfg: ModelConfig, device: torch.device | str) -> GPT:
@@ -296,6 +316,7 @@ class GPT(nn.Module):
         fill: GPT.create calls it again once the model has memory."""
         if self.rope_cos.is_meta:
             return
+        self.init_extra()
         for m in self.modules():
             if isinstance(m, nn.Linear | nn.Embedding):
                 nn.init.normal_(m.weight, std=0.02)
@@ -308,6 +329,10 @@ class GPT(nn.Module):
                 # GPT-2's scaled init of residual projections.
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * self.cfg.n_layer))
         self.fill_rope_tables()
+
+    def init_extra(self) -> None:
+        """What a family initialises beside the linear, embedding and norm weights (its
+        buffers, weights of other shapes): nothing here."""
 
     @torch.no_grad()
     def fill_rope_tables(self) -> None:
@@ -329,7 +354,8 @@ class GPT(nn.Module):
         selective = every == SELECTIVE
         options = {"context_fn": selective_ac.context} if selective else {}
         blocks: list[Block] = list(self.blocks)  # type: ignore[arg-type]  # ModuleList's items
-        up_width = blocks[0].mlp.up.out_features if blocks else 0
+        up = getattr(blocks[0].mlp, "up", None) if blocks else None  # a dense first block's
+        up_width = up.out_features if isinstance(up, nn.Linear) else 0
         lean_options = {"context_fn": functools.partial(selective_ac.lean_context, up_width)}
         for i, block in enumerate(blocks):
             chosen = lean_options if selective and i < lean else options
@@ -338,6 +364,24 @@ class GPT(nn.Module):
     def num_params(self, non_embedding: bool = True) -> int:
         n = sum(p.numel() for p in self.parameters())
         return n - self.embed.weight.numel() if non_embedding and not self.cfg.tie_embeddings else n
+
+    def active_params(self) -> int:
+        """The non-embedding parameters one token's forward multiplies by: all of them in a
+        dense model (a mixture of experts counts only the experts a token is routed to)."""
+        return self.num_params()
+
+    # ---- a family's hooks around the optimizer step (none for a dense model) ----------------
+    def after_micro_batch(self) -> None:
+        """Called after each micro-batch's backward (a mixture of experts adds up its load)."""
+
+    def after_update(self, skipped: torch.Tensor) -> None:
+        """Called after each optimizer step, `skipped` 1 on the device where the step guard
+        skipped it (a mixture of experts moves its balancing bias)."""
+
+    def routing_stats(self) -> dict[str, float]:
+        """Scalars for the logs at a log step, read since the last call (a mixture of
+        experts: each layer's expert load); a dense model has none."""
+        return {}
 
     def attention_backend(self, device: torch.device, compiled: bool) -> str:
         """FA4 runs compiled or not; FlexAttention is fast only when compiled (uncompiled
@@ -386,6 +430,12 @@ class GPT(nn.Module):
     ) -> torch.Tensor:
         """The normalised last hidden state (B, T, d_model), what the output layer reads.
         With `caches` (generation), positions continue after the cached tokens."""
+        return self.trunk(input_ids, position_ids, mask, caches)[0]
+
+    def trunk(
+        self, input_ids, position_ids=None, mask=None, caches: list[KVCache] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden, the blocks' auxiliary losses summed, or None where no block has one)."""
         B, T = input_ids.shape
         if position_ids is None:
             start = caches[0].length if caches else 0
@@ -396,9 +446,11 @@ class GPT(nn.Module):
         # The embedding's dtype is the parameters' (bf16 with master weights).
         x = x.to(dtype if self.cfg.residual == "compute" else torch.float32)
         cos, sin = (t[pos][:, :, None].to(dtype) for t in (self.rope_cos, self.rope_sin))
+        aux = None
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, mask, caches[i] if caches else None)
-        return self.norm(x)
+            x, a = block(x, cos, sin, mask, caches[i] if caches else None)
+            aux = a if aux is None else aux if a is None else aux + a
+        return self.norm(x), aux
 
     def uses_fused_ce(self, device: torch.device) -> bool:
         """Whether training steps compute the loss with pytrain.model.fused_ce."""
@@ -418,17 +470,26 @@ class GPT(nn.Module):
         """Cross-entropy summed over the tokens where loss_mask is true. Masked targets
         become ignore_index, so no fp32 copy of the logits is made outside the fused
         kernel (cross_entropy computes in fp32 under autocast). In training with
-        `fused_ce`, the output layer and the loss are one op (pytrain.model.fused_ce)."""
-        h = self.hidden(input_ids, position_ids, mask)
+        `fused_ce`, the output layer and the loss are one op (pytrain.model.fused_ce).
+
+        The blocks' auxiliary losses (a mixture of experts' balancing terms, each a mean
+        over the micro-batch) count once a loss token, so that the step's objective is the
+        mean cross-entropy plus their token-weighted mean; they enter the gradient only,
+        the value returned (and logged) being the cross-entropy alone."""
+        h, aux = self.trunk(input_ids, position_ids, mask)
         targets = torch.where(loss_mask, targets, fused_ce.IGNORE_INDEX).flatten()
         if self.training and torch.is_grad_enabled() and self.uses_fused_ce(h.device):
             x = h.flatten(0, 1).to(compute_dtype(h))
             fp8 = self.uses_float8_head(h.device)
-            return fused_ce.linear_cross_entropy(x, self.head.weight, targets, fp8=fp8)
-        logits = self.head(h)
-        return F.cross_entropy(
-            logits.flatten(0, 1), targets, ignore_index=fused_ce.IGNORE_INDEX, reduction="sum"
-        )
+            loss = fused_ce.linear_cross_entropy(x, self.head.weight, targets, fp8=fp8)
+        else:
+            logits = self.head(h)
+            loss = F.cross_entropy(
+                logits.flatten(0, 1), targets, ignore_index=fused_ce.IGNORE_INDEX, reduction="sum"
+            )
+        if aux is not None:
+            loss = loss + (aux - aux.detach()) * loss_mask.sum()
+        return loss
 
     @torch.no_grad()
     def generate(

@@ -21,6 +21,8 @@ import torch
 from pytrain.model.config import ModelConfig
 
 ARCHITECTURES = {"swiglu": ("llama", "LlamaForCausalLM"), "gelu": ("arcee", "ArceeForCausalLM")}
+CLASSES = tuple(arch for _, arch in ARCHITECTURES.values())
+"""The transformers classes from_hf reads (pytrain.model.families looks a directory up)."""
 LLAMA3_FREQ_FACTORS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
 """Llama 3.1's RoPE scaling as pytrain computes it (those of every Llama 3.x checkpoint)."""
 LOGITS_TOLERANCE = 1e-4
@@ -73,9 +75,11 @@ def hf_config(cfg: ModelConfig, vocab: int, eos_id: int | None, bos_id: int | No
     return out
 
 
-def to_hf(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """pytrain's state dict -> the transformers class's (fp32, contiguous)."""
-    d, kv, out = cfg.d_model, cfg.kv_heads * cfg.head_dim, {}
+def shared_to_hf(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What every family's transformers class names alike (Llama's names, which Qwen3's
+    share): embedding, final norm, output layer, and each block's attention and norms (with
+    QK-norm where the model has it)."""
+    q_rows, kv, out = cfg.n_head * cfg.head_dim, cfg.kv_heads * cfg.head_dim, {}
     out["model.embed_tokens.weight"] = state["embed.weight"]
     out["model.norm.weight"] = state["norm.weight"]
     if not cfg.tie_embeddings:
@@ -83,12 +87,23 @@ def to_hf(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.T
     for i in range(cfg.n_layer):
         p, q = f"blocks.{i}.", f"model.layers.{i}."
         qkv = state[p + "attn.qkv.weight"]
-        out[q + "self_attn.q_proj.weight"] = qkv[:d]
-        out[q + "self_attn.k_proj.weight"] = qkv[d : d + kv]
-        out[q + "self_attn.v_proj.weight"] = qkv[d + kv :]
+        out[q + "self_attn.q_proj.weight"] = qkv[:q_rows]
+        out[q + "self_attn.k_proj.weight"] = qkv[q_rows : q_rows + kv]
+        out[q + "self_attn.v_proj.weight"] = qkv[q_rows + kv :]
         out[q + "self_attn.o_proj.weight"] = state[p + "attn.proj.weight"]
+        if cfg.qk_norm:
+            out[q + "self_attn.q_norm.weight"] = state[p + "attn.q_norm.weight"]
+            out[q + "self_attn.k_norm.weight"] = state[p + "attn.k_norm.weight"]
         out[q + "input_layernorm.weight"] = state[p + "norm1.weight"]
         out[q + "post_attention_layernorm.weight"] = state[p + "norm2.weight"]
+    return out
+
+
+def to_hf(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """pytrain's state dict -> the transformers class's (fp32, contiguous)."""
+    out = shared_to_hf(cfg, state)
+    for i in range(cfg.n_layer):
+        p, q = f"blocks.{i}.", f"model.layers.{i}."
         up = state[p + "mlp.up.weight"]
         if cfg.mlp == "swiglu":  # up = [gate (through SiLU); up]
             h = up.shape[0] // 2
@@ -113,10 +128,9 @@ def from_hf(config: dict, weights: dict[str, torch.Tensor]) -> tuple[ModelConfig
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     n_head = config["num_attention_heads"]
     kv = config.get("num_key_value_heads") or n_head
-    unsupported = {
+    unsupported: dict[str, tuple[object, object]] = {
         "attention_bias": (config.get("attention_bias", False), False),
         "mlp_bias": (config.get("mlp_bias", False), False),
-        "head_dim": (config.get("head_dim") or d // n_head, d // n_head),
         "hidden_act": (config.get("hidden_act"), "silu" if mlp == "swiglu" else "gelu"),
     }
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -133,6 +147,7 @@ def from_hf(config: dict, weights: dict[str, torch.Tensor]) -> tuple[ModelConfig
     cfg = ModelConfig(
         vocab_size=config["vocab_size"], n_layer=n_layer, n_head=n_head,
         n_kv_head=0 if kv == n_head else kv, d_model=d, mlp=mlp,
+        head_size=0 if (config.get("head_dim") or d // n_head) == d // n_head else config["head_dim"],
         # Without the key (LlamaConfig's default is untied), the weights tell.
         tie_embeddings=config.get("tie_word_embeddings", "lm_head.weight" not in weights),
         rope_base=config.get("rope_theta") or rope.get("rope_theta", 10000.0),

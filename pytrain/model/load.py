@@ -12,9 +12,10 @@ from pathlib import Path
 import torch
 
 from pytrain.config import REMOTE_SCHEMES, ConfigError, DataConfig, missing_model
+from pytrain.model import families
 from pytrain.model.config import ModelConfig
 from pytrain.model.gpt import GPT
-from pytrain.model.hf import NotExportable, from_hf, strip_prefixes
+from pytrain.model.hf import NotExportable, strip_prefixes
 
 SAFETENSORS = ("model.safetensors", "model.safetensors.index.json")
 """A Hugging Face directory's weights: one file, or the index of its shards."""
@@ -63,7 +64,7 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> Loaded:
     ):
         raise ConfigError(f"{path}: not a pytrain checkpoint (no model and config in it)")
     cfg = ModelConfig.from_saved(state["config"]["model"])
-    gpt = GPT.empty(cfg)  # every weight is loaded over it
+    gpt = families.of(cfg).empty(cfg)  # every weight is loaded over it
     if "sharded" in state:  # an FSDP2 run's checkpoint: its shards, read whole here
         from pytrain.train.sharded_checkpoint import load_model
 
@@ -125,7 +126,7 @@ def hf_model(p: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
     setting our GPT does not compute, or a missing tensor, is a ConfigError naming it."""
     config, weights = hf_weights(p)
     try:
-        cfg, state = from_hf(config, weights)
+        cfg, state = families.from_hf(config, weights)
     except NotExportable as e:
         raise ConfigError(f"{p}: {e}") from None
     except KeyError as e:
@@ -135,7 +136,7 @@ def hf_model(p: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
 
 def _load_hf(p: Path, device) -> Loaded:
     cfg, state, config = hf_model(p)
-    gpt = GPT.empty(cfg)  # every weight is loaded over it
+    gpt = families.of(cfg).empty(cfg)  # every weight is loaded over it
     gpt.load_state_dict(state)
     tok = p / "tokenizer.json"
     return Loaded(gpt.to(device).eval(), None, tok if tok.is_file() else None,

@@ -36,6 +36,11 @@ class OptimizerStep:
         self.master = isinstance(optimizer, MasterAdamW)
         # FSDP2 with float8 all-gathers: the weights' scales after each update.
         self.after_update = float8.scale_updater(model)
+        # The model's own work around the step, where it has any (GPT's: a mixture of
+        # experts adds up its load after each micro-batch, moves its balancing bias after
+        # each update).
+        self.model_after_micro_batch = getattr(model, "after_micro_batch", lambda: None)
+        self.model_after_update = getattr(model, "after_update", lambda skipped: None)
         # Before each update (skipped or not): a checkpoint's copies still reading the
         # tensors it overwrites are waited for (ShardedWriter.before_update).
         self.before_update: Callable[[], None] | None = None
@@ -77,6 +82,7 @@ class OptimizerStep:
     def after_micro_batch(self, accumulating: bool) -> None:
         if self.master and (accumulating or self.replicas):
             self.masters.accumulate()  # into fp32, not into the bf16 .grad
+        self.model_after_micro_batch()
 
     def step(self, guard, step: int, loss: torch.Tensor):
         """The gradient norm, the guard's decision (skip, running mean before), and the
@@ -109,6 +115,7 @@ class OptimizerStep:
             self.optimizer.step()
             if self.after_update is not None:
                 self.after_update()
+        self.model_after_update(torch.as_tensor(bad))
         return norm, bad, ema_before
 
     def _scaler_step(self, bad, loss, norm) -> torch.Tensor:

@@ -19,7 +19,8 @@ import torch
 from pytrain.config import ConfigError, TrainConfig
 from pytrain.data.shards import manifest_tokenizer
 from pytrain.data.tokenizer import for_packing, load_tokenizer
-from pytrain.model.config import ARCHITECTURE, ModelConfig
+from pytrain.model import families
+from pytrain.model.config import ARCHITECTURE, BALANCE, ModelConfig
 from pytrain.model.gpt import GPT
 from pytrain.model.hf import strip_prefixes
 from pytrain.model.load import hf_model, load
@@ -36,6 +37,10 @@ def source(
     if (p / "config.json").is_file():  # a Hugging Face directory
         cfg, state, _ = hf_model(p)
         what = f"{p.name} (Hugging Face)"
+        # It balances its experts as its authors trained it (Qwen3-MoE: a global auxiliary
+        # loss, no bias), so that its export computes the same choice of experts.
+        for key in BALANCE:
+            setattr(model, key, getattr(cfg, key))
         if (p / "tokenizer.json").is_file():
             for note in tokenizer_notes(p / "tokenizer.json", datasets):
                 say(note)
@@ -89,7 +94,7 @@ def build(cfg: TrainConfig, data_vocab: int, say, device: torch.device) -> GPT:
     cfg.model.max_seq_len = max(
         cfg.model.max_seq_len, cfg.data.seq_len, max(cfg.data.bucket_lengths)
     )
-    gpt = GPT.create(cfg.model, device)
+    gpt = families.of(cfg.model).create(cfg.model, device)
     if start is not None:  # overwrites the random draws (cheap where a GPU made them)
         gpt.load_state_dict(start)
     return gpt

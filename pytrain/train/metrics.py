@@ -1,8 +1,9 @@
 """Logging: TensorBoard scalars, a plain text log line every N steps, and MFU.
 
 MFU = achieved FLOP/s / peak FLOP/s, with FLOPs per token = 6 N + 12 L H Q T
-(N non-embedding parameters, L layers, H heads, Q head size, T sequence length: the
-PaLM appendix B formula that nanoGPT uses). Peak is the dense bf16 tensor-core rate of
+(N non-embedding parameters a token's forward multiplies by, L layers, H heads, Q head size,
+T sequence length: the PaLM appendix B formula that nanoGPT uses; the model family's,
+pytrain.model.families). Peak is the dense bf16 tensor-core rate of
 the GPU (table below); MFU is not reported where the peak is unknown (e.g. CPU)."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import re
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -34,10 +35,6 @@ def peak_flops(device: torch.device) -> float | None:
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
 
 
-def flops_per_token(n_params: int, n_layer: int, n_head: int, head_dim: int, seq_len: int) -> float:
-    return 6 * n_params + 12 * n_layer * n_head * head_dim * seq_len
-
-
 class RunLog:
     """TensorBoard writer (rank 0) plus a text log file runs/<name>/train.log."""
 
@@ -53,7 +50,7 @@ class RunLog:
 
                 self.tb = SummaryWriter(log_dir=str(run_dir / "tb"))
 
-    def scalars(self, step: int, values: dict[str, float | None]) -> None:
+    def scalars(self, step: int, values: Mapping[str, float | None]) -> None:
         """Logs every value that is not None (a figure this run cannot measure)."""
         if self.tb is not None:
             for k, v in values.items():
@@ -193,8 +190,12 @@ class StepLog:
         log_every: int,
         progress: bool,
         device: torch.device,
+        stats: Callable[[], dict[str, float]] = dict,
     ):
+        """`stats`: the model's scalars at each log step (GPT.routing_stats: a mixture of
+        experts' loads), read there only: no host sync in the steps between."""
         self.log, self.say = log, say
+        self.stats = stats
         self.flops_token, self.peak, self.world_size = flops_token, peak, world_size
         self.log_every, self.progress, self.device = log_every, progress, device
         self.bar = None
@@ -259,6 +260,12 @@ class StepLog:
                 + (f" mfu {mfu:.1%}" if mfu else "")
                 + f" loss_exact {r.loss!r}"
             )
+            if stats := self.stats():  # the worst layer's; TensorBoard has each layer's
+                self.log.scalars(number, stats)
+                line += (
+                    f" expert_load_max_over_mean {stats['moe/load_max_over_mean']:.2f}"
+                    f" unused_experts {stats['moe/unused_experts']:.0f}"
+                )
             if self.device.type == "cuda":
                 # Peaks so far: what the caching allocator holds (what must fit), and what
                 # tensors held; the difference is memory the allocator could not reuse.

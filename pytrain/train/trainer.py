@@ -14,7 +14,7 @@ import torch
 
 from pytrain.config import TrainConfig, checkpoint_every, derive_grad_accum
 from pytrain.data.batch import DeviceBatch, DeviceFeed, FeedTime, HostBatch
-from pytrain.model import flash4, float8, fused_gelu, quack_swiglu
+from pytrain.model import families, flash4, float8, fused_gelu, quack_swiglu
 from pytrain.model.gpt import LossModule
 from pytrain.optim.build import build_optimizer, keeps_masters
 from pytrain.optim.schedule import lr_at
@@ -38,7 +38,6 @@ from pytrain.train.metrics import (
     RunLog,
     StepClock,
     StepLog,
-    flops_per_token,
     log_mixture,
     peak_flops,
 )
@@ -173,13 +172,12 @@ class Trainer:
             cfg.profile_steps if self.dist.is_main else "", self.run_dir / "profile", self.device,
             memory=cfg.profile_memory,
         )  # fmt: skip
-        self.flops_token = flops_per_token(
-            self.gpt.num_params(), m.n_layer, m.n_head, m.d_model // m.n_head, cfg.data.seq_len
-        )
+        self.flops_token = families.of(m).flops_per_token(self.gpt, cfg.data.seq_len)
         self.steplog = StepLog(
             self.log, self.say, flops_token=self.flops_token, peak=peak_flops(self.device),
             world_size=self.dist.world_size, log_every=cfg.log_every,
             progress=cfg.progress and self.dist.is_main, device=self.device,
+            stats=self.gpt.routing_stats,
         )  # fmt: skip
 
     @staticmethod

@@ -1,0 +1,230 @@
+"""The mixture-of-experts family: GPT's blocks with a router over SwiGLU experts in place
+of the dense MLP (Qwen3-MoE, OLMoE, DeepSeek-V3's routing), the first `dense_layers`
+blocks dense.
+
+Routing is token choice and dropless: each token goes to its top_k experts, none is
+dropped for capacity. The (token, slot) pairs are sorted by expert (a stable sort, so the
+order is deterministic); each expert's count becomes the grouped GEMM's offsets on the
+device, never a Python list, so a training step needs no host sync and can run under CUDA
+graphs. The outputs are put back in token order by the inverse permutation and summed over
+each token's slots with its top-k weights: gathers and sums, no atomic adds, so the result
+does not depend on the order in which the device ran them.
+
+The router's logits are fp32. Its scores (softmax or sigmoid) weight the experts' outputs;
+with auxiliary-loss-free balancing (DeepSeek-V3) a per-expert bias is added to the scores
+for choosing only, and moved after each optimizer step towards the mean load, on the loads
+summed over the step's micro-batches and its ranks. The balancing losses (global,
+sequence-level) and the router z-loss are options, returned beside the output."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pytrain.model.config import ModelConfig
+from pytrain.model.gpt import GPT, MLP, compute_dtype
+
+
+def grouped_swiglu(x, up, down, offsets) -> torch.Tensor:
+    """The experts' SwiGLU over tokens sorted by expert: x (N, d) in the compute dtype,
+    up (E, 2h, d), down (E, d, h), offsets (E,) int32, each the end of an expert's rows.
+    Two grouped GEMMs (torch._grouped_mm), no host sync."""
+    u = torch._grouped_mm(x, up.transpose(-2, -1), offs=offsets)
+    a, b = u.chunk(2, dim=-1)
+    return torch._grouped_mm(F.silu(a) * b, down.transpose(-2, -1), offs=offsets)
+
+
+def looped_swiglu(x, up, down, counts) -> torch.Tensor:
+    """The same with one pair of matmuls an expert: the reference, and the path where
+    grouped GEMMs do not run (the CPU). Reads the counts on the host."""
+    out = []
+    for e, rows in enumerate(x.split(counts.tolist())):
+        a, b = (rows @ up[e].t()).chunk(2, dim=-1)
+        out.append((F.silu(a) * b) @ down[e].t())
+    return torch.cat(out)
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts as two tensors, [E, 2h, d] (gate rows, then up rows, as nn.Linear
+    stores them) and [E, d, h]: FSDP2 shards them like any weight, expert parallelism
+    slices dim 0."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        e, d, h = cfg.experts, cfg.d_model, cfg.expert_width
+        self.up = nn.Parameter(torch.empty(e, 2 * h, d))
+        self.down = nn.Parameter(torch.empty(e, d, h))
+        self.kernel = cfg.moe_kernel
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        dtype = compute_dtype(x)
+        up, down, x = self.up.to(dtype), self.down.to(dtype), x.to(dtype)
+        kernel = self.kernel
+        if kernel == "auto":
+            kernel = "grouped" if x.is_cuda else "loop"
+        if kernel == "grouped":
+            offsets = counts.cumsum(0).to(torch.int32)
+            return grouped_swiglu(x, up, down, offsets)
+        return looped_swiglu(x, up, down, counts)
+
+
+class MoE(nn.Module):
+    """A block's mixture of experts: router, routed experts, optional shared experts.
+    forward returns (output, auxiliary loss or None)."""
+
+    returns_aux = True  # Block unpacks (output, aux)
+    expert_bias: torch.Tensor
+    micro_load: torch.Tensor
+    step_load: torch.Tensor
+    window_load: torch.Tensor
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.router = nn.Linear(cfg.d_model, cfg.experts, bias=False)
+        self.experts = Experts(cfg)
+        self.shared = None
+        if cfg.shared_experts:
+            self.shared = MLP(cfg, hidden=cfg.shared_experts * cfg.expert_width)
+        e = cfg.experts
+        # The balancing bias is state: it is saved and restored, so resume stays exact.
+        self.register_buffer("expert_bias", torch.zeros(e))
+        # Tokens routed to each expert: by the last forward (written, not added, so that a
+        # forward recomputed by activation checkpointing counts once), by the optimizer
+        # step, and since the logs last read them.
+        for name in ("micro_load", "step_load", "window_load"):
+            self.register_buffer(name, torch.zeros(e), persistent=False)
+
+    def route(self, x: torch.Tensor):
+        """(logits fp32 (N, E), scores (N, E), chosen experts (N, k), their weights (N, k))."""
+        cfg = self.cfg
+        logits = F.linear(x.float(), self.router.weight.float())
+        scores = logits.softmax(-1) if cfg.router_score == "softmax" else logits.sigmoid()
+        # The bias chooses, the scores weigh (DeepSeek-V3).
+        ids = (scores + self.expert_bias).topk(cfg.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(-1, ids)
+        if cfg.norm_topk:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return logits, scores, ids, weights * cfg.route_scale
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        B, T, d = x.shape
+        k, E = self.cfg.top_k, self.cfg.experts
+        flat = x.reshape(-1, d)
+        logits, scores, ids, weights = self.route(flat)
+        slots = ids.flatten()  # (N * k): token t's slots at t*k .. t*k+k-1
+        counts = torch.zeros(E, device=x.device, dtype=torch.int64)
+        counts.scatter_add_(0, slots, torch.ones_like(slots))
+        with torch.no_grad():
+            self.micro_load.copy_(counts)
+        order = slots.argsort(stable=True)  # slots grouped by expert
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=x.device)
+        # Each token repeated once a slot, then sorted by expert (unique indices: gathers
+        # whose backward adds nothing twice).
+        xc = flat.to(compute_dtype(flat))
+        sorted_x = xc.unsqueeze(1).expand(-1, k, -1).reshape(-1, d)[order]
+        ys = self.experts(sorted_x, counts)[inverse].view(-1, k, d)
+        out = (ys * weights.to(ys.dtype).unsqueeze(-1)).sum(1)
+        if self.shared is not None:
+            out = out + self.shared(flat)
+        aux = self.aux_loss(logits, scores, counts, ids, B) if self.training else None
+        return out.view(B, T, d).to(x.dtype), aux
+
+    def aux_loss(self, logits, scores, counts, ids, rows: int) -> torch.Tensor | None:
+        """The weighted sum of the balancing losses asked for, or None where none is."""
+        cfg = self.cfg
+        N, E, k = scores.shape[0], cfg.experts, cfg.top_k
+        terms = []
+        probs = scores / scores.sum(-1, keepdim=True)  # sigmoid scores normalised
+        if cfg.aux_loss:  # Switch / Qwen3-MoE: E * sum_i (tokens to i / N) * mean prob of i
+            terms.append(cfg.aux_loss * E * (counts.float() / N * probs.mean(0)).sum())
+        if cfg.seq_aux_loss:  # DeepSeek-V3: the same within each row, averaged over rows
+            per_row = torch.zeros(rows, E, device=ids.device)
+            chosen = ids.view(rows, -1)
+            per_row.scatter_add_(1, chosen, torch.ones_like(chosen, dtype=torch.float))
+            f = per_row * E / (k * (N // rows))
+            p = probs.view(rows, -1, E).mean(1)
+            terms.append(cfg.seq_aux_loss * (f * p).sum(-1).mean())
+        if cfg.z_loss:  # ST-MoE: keeps the logits small
+            terms.append(cfg.z_loss * torch.logsumexp(logits, -1).square().mean())
+        return sum(terms[1:], terms[0]) if terms else None
+
+
+class MoEGPT(GPT):
+    """GPT whose blocks route over experts (from block `dense_layers` on)."""
+
+    def make_mlp(self, cfg: ModelConfig, i: int) -> nn.Module:
+        return MoE(cfg) if i >= cfg.dense_layers else MLP(cfg)
+
+    def moe_layers(self) -> list[MoE]:
+        return [m for m in self.modules() if isinstance(m, MoE)]
+
+    @torch.no_grad()
+    def init_extra(self) -> None:
+        """The experts as GPT initialises its linear layers: normal 0.02, the down
+        projections (residual) 0.02 / sqrt(2 * n_layer); the bias zero."""
+        std_down = 0.02 / math.sqrt(2 * self.cfg.n_layer)
+        for m in self.moe_layers():
+            nn.init.normal_(m.experts.up, std=0.02)
+            nn.init.normal_(m.experts.down, std=std_down)
+            m.expert_bias.zero_()
+            for buf in (m.micro_load, m.step_load, m.window_load):
+                buf.zero_()
+
+    def active_params(self) -> int:
+        """The routed experts a token does not visit are not multiplied by."""
+        cfg = self.cfg
+        idle = (cfg.experts - cfg.top_k) * 3 * cfg.d_model * cfg.expert_width
+        return self.num_params() - idle * len(self.moe_layers())
+
+    @torch.no_grad()
+    def after_micro_batch(self) -> None:
+        layers = self.moe_layers()
+        torch._foreach_add_([m.step_load for m in layers], [m.micro_load for m in layers])
+
+    @torch.no_grad()
+    def after_update(self, skipped: torch.Tensor) -> None:
+        """Each layer's loads of the step, summed over the ranks (so that every rank moves
+        its bias alike), move the balancing bias by balance_rate towards the mean load
+        (not where the step was skipped), and join the logs' window."""
+        layers = self.moe_layers()
+        if not layers:
+            return
+        load = torch.stack([m.step_load for m in layers]).float()  # (layers, E)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(load)
+        rate = self.cfg.balance_rate
+        if rate:
+            keep = 1.0 - skipped.to(load.device, torch.float32)
+            move = (load.mean(-1, keepdim=True) - load).sign() * (rate * keep)
+            torch._foreach_add_([m.expert_bias for m in layers], list(move.unbind(0)))
+        torch._foreach_add_([m.window_load for m in layers], list(load.unbind(0)))
+        torch._foreach_zero_([m.step_load for m in layers])
+
+    def routing_stats(self) -> dict[str, float]:
+        """Each MoE layer's expert load since the last call (max over mean tokens an
+        expert, experts that got none), and the worst of each over the layers; one
+        transfer."""
+        layers = self.moe_layers()
+        if not layers:
+            return {}
+        window = torch.stack([m.window_load for m in layers])
+        torch._foreach_zero_([m.window_load for m in layers])
+        mean = window.mean(-1).clamp_min(1e-9)
+        seen = window.sum(-1)
+        table = torch.stack([window.max(-1).values / mean, (window == 0).sum(-1).float(), seen])
+        ratio, unused, seen = table.cpu().tolist()
+        if not any(seen):  # no step since the last read
+            return {}
+        first = self.cfg.dense_layers
+        out = {}
+        for j, (r, u) in enumerate(zip(ratio, unused, strict=True)):
+            out[f"moe/load_max_over_mean/{first + j}"] = r
+            out[f"moe/unused_experts/{first + j}"] = u
+        out["moe/load_max_over_mean"] = max(ratio)
+        out["moe/unused_experts"] = max(unused)
+        return out

@@ -1,0 +1,186 @@
+"""The mixture-of-experts family on the CPU: routing against a per-token reference, the
+grouped GEMM against the loop, dropless counts, the balancing bias and losses, bad
+settings in one line, and training through the trainer with exact resume."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_trainer import small_cfg
+
+from pytrain.config import ConfigError, parse_args
+from pytrain.model import families
+from pytrain.model.config import ModelConfig
+from pytrain.model.moe import MoE, MoEGPT
+from pytrain.train.trainer import Trainer
+
+
+def moe_cfg(**kw) -> ModelConfig:
+    base = dict(family="moe", vocab_size=128, n_layer=3, n_head=4, n_kv_head=2, d_model=64,
+                experts=8, top_k=2, expert_hidden=32, qk_norm=True, tie_embeddings=False,
+                max_seq_len=64)  # fmt: skip
+    return ModelConfig(**{**base, **kw})
+
+
+def reference_moe(layer: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Token by token, slot by slot: what a mixture of experts computes, written plainly."""
+    cfg = layer.cfg
+    flat = x.reshape(-1, cfg.d_model)
+    logits = flat @ layer.router.weight.t()
+    scores = logits.softmax(-1) if cfg.router_score == "softmax" else logits.sigmoid()
+    out = torch.zeros_like(flat)
+    for t in range(flat.shape[0]):
+        chosen = (scores[t] + layer.expert_bias).topk(cfg.top_k).indices
+        w = scores[t, chosen]
+        if cfg.norm_topk:
+            w = w / w.sum()
+        for e, we in zip(chosen.tolist(), (w * cfg.route_scale).tolist(), strict=True):
+            gate, up = (layer.experts.up[e] @ flat[t]).chunk(2)
+            out[t] += we * (layer.experts.down[e] @ (F.silu(gate) * up))
+        if layer.shared is not None:
+            out[t] += layer.shared(flat[t][None])[0]
+    return out.view_as(x)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"router_score": "sigmoid", "norm_topk": False, "route_scale": 2.5, "shared_experts": 1},
+        {"top_k": 8},
+    ],
+)
+def test_routing_matches_a_token_by_token_reference(kw):
+    torch.manual_seed(0)
+    gpt = MoEGPT(moe_cfg(**kw))
+    layer = gpt.moe_layers()[0]
+    with torch.no_grad():  # a bias that changes the choice: the scores still weigh
+        layer.expert_bias.copy_(torch.randn(8) * 0.1)
+    layer.eval()
+    x = torch.randn(2, 5, 64)
+    with torch.no_grad():
+        got, aux = layer(x)
+        want = reference_moe(layer, x)
+    assert aux is None  # not training
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_gemm_gives_the_loops_outputs_and_gradients():
+    torch.manual_seed(0)
+    layer = MoEGPT(moe_cfg()).moe_layers()[0]
+    x = torch.randn(3, 7, 64)
+    results = []
+    for kernel in ("loop", "grouped"):
+        layer.experts.kernel = kernel
+        layer.zero_grad()
+        try:
+            y, _ = layer(x)
+        except RuntimeError as e:  # torch builds without grouped GEMMs on the CPU
+            pytest.skip(f"torch._grouped_mm on the CPU: {e}")
+        y.square().sum().backward()
+        results.append(
+            (y.detach(), layer.experts.up.grad.clone(), layer.router.weight.grad.clone())
+        )
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_dropless_every_token_reaches_its_top_k():
+    torch.manual_seed(0)
+    layer = MoEGPT(moe_cfg(top_k=3)).moe_layers()[0]
+    layer(torch.randn(2, 9, 64))
+    assert layer.micro_load.sum().item() == 2 * 9 * 3
+
+
+def test_the_bias_moves_towards_the_mean_load_and_not_on_a_skipped_step():
+    torch.manual_seed(0)
+    gpt = MoEGPT(moe_cfg(balance_rate=0.01))
+    layers = gpt.moe_layers()
+    gpt(torch.randint(0, 128, (2, 16)))
+    gpt.after_micro_batch()
+    loads = [m.step_load.clone() for m in layers]
+    gpt.after_update(torch.tensor(1.0))  # skipped: the bias stays
+    assert all(not m.expert_bias.any() for m in layers)
+    for m, load in zip(layers, loads, strict=True):
+        m.step_load.copy_(load)
+    gpt.after_update(torch.tensor(0.0))
+    for m, load in zip(layers, loads, strict=True):
+        want = 0.01 * (load.mean() - load).sign()
+        torch.testing.assert_close(m.expert_bias, want)
+        assert not m.step_load.any()
+    stats = gpt.routing_stats()
+    assert set(stats) >= {"moe/load_max_over_mean", "moe/unused_experts"}
+    assert gpt.routing_stats() == {}  # read since the last call: nothing new
+
+
+def test_balancing_losses_enter_the_gradient_not_the_reported_loss():
+    torch.manual_seed(0)
+    cfg = moe_cfg(aux_loss=0.01, seq_aux_loss=0.01, z_loss=0.001, balance_rate=0.0)
+    gpt = MoEGPT(cfg)
+    ids = torch.randint(0, 128, (2, 16))
+    pos = torch.arange(16).expand(2, 16)
+    mask = torch.ones(2, 16, dtype=torch.bool)
+    with_aux = gpt.loss_sum(ids, ids, pos, mask, None)
+    with_aux.backward()
+    g_aux = gpt.moe_layers()[0].router.weight.grad.clone()
+    gpt.zero_grad()
+    for m in gpt.moe_layers():
+        m.cfg = moe_cfg(balance_rate=0.0)  # the same weights without the losses
+    plain = gpt.loss_sum(ids, ids, pos, mask, None)
+    plain.backward()
+    assert with_aux.item() == plain.item()
+    assert not torch.allclose(g_aux, gpt.moe_layers()[0].router.weight.grad)
+
+
+def test_the_registry_builds_the_family_and_counts_active_parameters():
+    cfg = moe_cfg(dense_layers=1)
+    gpt = families.of(cfg).create(cfg, "cpu")
+    assert isinstance(gpt, MoEGPT) and len(gpt.moe_layers()) == 2
+    expert = 3 * 64 * 32
+    assert gpt.num_params() - gpt.active_params() == 2 * (8 - 2) * expert
+    dense = families.of(ModelConfig()).create(ModelConfig(), "cpu")
+    assert type(dense).__name__ == "GPT" and dense.active_params() == dense.num_params()
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--model.top_k", "9"], "model.top_k 9 with model.experts 8"),
+        (["--model.dense_layers", "5"], "model.dense_layers 5"),
+        (["--model.router_score", "relu"], "model.router_score is 'relu'"),
+        (["--model.mlp", "gelu"], "SwiGLU experts"),
+    ],
+)
+def test_bad_settings_end_in_one_line(flags, words):
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        parse_args(["--model.family", "moe", "--model.n_layer", "4", *flags])
+
+
+MOE = ("--model.family", "moe", "--model.experts", "8", "--model.top_k", "2",
+       "--model.expert_hidden", "64", "--model.qk_norm", "true")  # fmt: skip
+
+
+def test_training_resumes_exactly_with_the_bias_and_logs_the_load(small_corpus, tmp_path):
+    full = Trainer(small_cfg(small_corpus, tmp_path / "a", *MOE, "--log_every", "2"))
+    want = full.fit()["losses"]
+    bias = full.gpt.moe_layers()[0].expert_bias.clone()
+    full.close()
+    assert want[-1] < want[0] - 0.5 and bias.any()
+    log = (tmp_path / "a" / "runs" / "t" / "train.log").read_text()
+    loads = re.findall(
+        r"step \d+ loss .* expert_load_max_over_mean ([\d.]+) unused_experts (\d+)", log
+    )
+    assert len(loads) == 7 and all(float(r) >= 1 for r, _ in loads)  # steps 1, 2, 4, .., 12
+
+    first = Trainer(small_cfg(small_corpus, tmp_path / "b", *MOE, "--halt_after", "5"))
+    got = first.fit()["losses"]
+    first.close()
+    second = Trainer(small_cfg(small_corpus, tmp_path / "b", *MOE))
+    assert second.step == 5
+    got += second.fit()["losses"]
+    assert got == want  # bit for bit: weights, moments, data and the balancing bias
+    assert torch.equal(second.gpt.moe_layers()[0].expert_bias, bias)
+    second.close()
