@@ -44,6 +44,7 @@ BOUNDS = {
     "ckpt_every": (0, None),
     "log_every": (1, None),
     "fsdp_shard_size": (0, None),
+    "ep": (1, None),
     "ac_lean_blocks": (0, None),
 }
 """Numbers with a range (inclusive; None: open), checked where the command line is read.
@@ -131,6 +132,30 @@ def check_choices(cfg: TrainConfig) -> None:
         cfg.model.check()
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    check_expert_parallel(cfg)
+
+
+def check_expert_parallel(cfg: TrainConfig) -> None:
+    """--ep's needs that the settings alone decide (the world's size is checked where it is
+    known: pytrain.train.parallel.choose)."""
+    ep, m = cfg.ep, cfg.model
+    if ep == 1:
+        return
+    if m.family != "moe":
+        raise ConfigError(
+            f"ep {ep} splits a mixture of experts' routed experts over ranks: it needs "
+            f"--model.family moe (this model's family is {m.family})"
+        )
+    if m.experts % ep:
+        raise ConfigError(
+            f"ep {ep} does not divide model.experts {m.experts}: each rank of an expert group "
+            "holds experts / ep of them"
+        )
+    if cfg.fsdp is False:
+        raise ConfigError(
+            f"ep {ep} needs FSDP2, which shards the rest of the model and each expert's slice: "
+            "drop --no-fsdp (fsdp auto takes FSDP2 where ep is above 1)"
+        )
 
 
 SELECTIVE = "selective"

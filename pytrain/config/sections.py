@@ -149,6 +149,13 @@ class TrainConfig:
     collective's buffer, the sum over ranks rounded to bf16 (Megatron-LM's default; the
     shards still accumulate the micro-batches in fp32). Ignored where the plan is not FSDP2
     or the run is not bf16."""
+    ep: int = 1
+    """Expert parallelism (a mixture of experts, `model.family moe`): the routed experts of
+    every MoE block split over groups of `ep` ranks, each rank holding experts / ep of them
+    whole, tokens sent to their experts' rank and back by all-to-alls; FSDP2 shards the rest
+    of the model over all ranks and each expert's slice over the world / ep ranks that hold
+    it (under HSDP, within each shard group; pytrain.train.expert_parallel). 1: off. Under torchrun only; it needs FSDP2 (fsdp
+    auto takes it) and a number of ranks, and of experts, that ep divides."""
     dist_timeout_s: float = 120.0
     """Under torchrun, how long a collective waits for the other ranks once training runs
     (after the compile warm-up): a rank that died or hangs ends the job within this, not

@@ -50,7 +50,8 @@ def looped_swiglu(x, up, down, counts) -> torch.Tensor:
 class Experts(nn.Module):
     """E SwiGLU experts as two tensors, [E, 2h, d] (gate rows, then up rows, as nn.Linear
     stores them) and [E, d, h]: FSDP2 shards them like any weight, expert parallelism
-    slices dim 0."""
+    slices dim 0 (pytrain.train.expert_parallel: its all-to-alls wrap this module's forward
+    as hooks, so that `x` and `counts` are then the tokens of this rank's experts)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -61,7 +62,10 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         dtype = compute_dtype(x)
-        up, down, x = self.up.to(dtype), self.down.to(dtype), x.to(dtype)
+        # Under expert parallelism the weights are DTensors of every expert: this rank
+        # computes with its own slice of them.
+        up, down = (w.to_local() if hasattr(w, "to_local") else w for w in (self.up, self.down))
+        up, down, x = up.to(dtype), down.to(dtype), x.to(dtype)
         kernel = self.kernel
         if kernel == "auto":
             kernel = "grouped" if x.is_cuda else "loop"

@@ -65,10 +65,37 @@ def grad_norm(optimizer: torch.optim.Optimizer | MasterAdamW) -> torch.Tensor:
     if isinstance(optimizer, MasterAdamW):
         return optimizer.grad_norm()
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    norm = nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    # FSDP2's gradients are shards (DTensors): their norm is one too, a partial sum on each
-    # rank until it is made whole.
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    return total_norm([p.grad for p in params if p.grad is not None])
+
+
+def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of `grads`, a plain 0-d tensor (no host sync). FSDP2's gradients are
+    shards (DTensors): their norm is one too, a partial sum on each rank until it is made
+    whole. DTensor ops do not mix meshes, and under expert parallelism the experts' live on
+    a mesh of their own: each mesh's gradients make a norm of their own first."""
+    norms = []
+    for part in _by_mesh(grads) or [[]]:
+        norm = nn.utils.get_total_norm(part)
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+
+
+def clip_grads(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """clip_grad_norm_ of `params` (max_norm 0: no clipping) through total_norm, so that
+    DTensors of several meshes take it; returns the norm before clipping."""
+    norm = total_norm([p.grad for p in params if p.grad is not None])
+    if max_norm:  # (a parameter's gradient is on its mesh; one without is left alone)
+        for part in _by_mesh(params):
+            nn.utils.clip_grads_with_norm_(part, max_norm, norm)
+    return norm
+
+
+def _by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`tensors` grouped by their DTensor mesh (plain tensors: one group), in order."""
+    groups: dict = {}
+    for t in tensors:
+        groups.setdefault(getattr(t, "device_mesh", None), []).append(t)
+    return list(groups.values())
 
 
 def clip_scale(norm: torch.Tensor, max_norm: float) -> torch.Tensor:

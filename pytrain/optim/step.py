@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from pytrain.model import float8
-from pytrain.optim.adamw import fused_step, grad_norm
+from pytrain.optim.adamw import clip_grads, fused_step, grad_norm
 from pytrain.optim.master_adamw import MasterAdamW
 
 
@@ -101,9 +101,7 @@ class OptimizerStep:
         else:
             if self.scaler:
                 self.scaler.unscale_(self._torch_optimizer)
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm or float("inf"))
-            if hasattr(norm, "full_tensor"):  # FSDP2: a replicated DTensor
-                norm = norm.full_tensor()
+            norm = clip_grads(list(self.model.parameters()), max_norm)
         bad, ema_before = guard.check(step, loss, norm)
         if fold:
             fused_step(self.optimizer, bad, norm, max_norm)

@@ -28,6 +28,8 @@ at start-up and said in one line, and the wrapping itself.
   fsdp_shard_size 0 (auto) takes a node's ranks (torchrun's LOCAL_WORLD_SIZE) where the job
   has several nodes, and all ranks on one node (plain FSDP2); a number N takes groups of N
   ranks (N = the world's size: FSDP2 over every rank of every node, the most memory saved).
+  With `--ep N` (a mixture of experts) each block's routed experts are first split over
+  groups of N ranks and sharded over the rest (pytrain.train.expert_parallel).
 
 `--fsdp` asks for FSDP2, `--no-fsdp` for the replicated kinds; by default (auto) FSDP2 is
 used when the model's training state would take more than a quarter of one GPU's memory,
@@ -46,6 +48,7 @@ import torch.distributed as dist
 
 from pytrain.config import ConfigError
 from pytrain.optim.master_adamw import STATE_DTYPES
+from pytrain.train import expert_parallel
 from pytrain.train.distributed import DistInfo
 
 if TYPE_CHECKING:
@@ -73,6 +76,9 @@ class Plan:
     """FSDP2: gathered weights kept through each optimizer step (fsdp_hold_weights)."""
     reduce_dtype: str = "fp32"
     """FSDP2 in bf16: the gradients' reduce-scatter dtype (fsdp_reduce_dtype)."""
+    ep: int = 1
+    """FSDP2: the ranks that split the routed experts between them (expert parallelism,
+    pytrain.train.expert_parallel); 1: none."""
 
     @property
     def sharded(self) -> bool:
@@ -108,10 +114,13 @@ def choose(
     """The wrapper for this run (cfg.fsdp: True, False or None = auto; cfg.fsdp_shard_size:
     the ranks of a shard group, 0 = auto)."""
     if not info.enabled:
+        expert_parallel.check_ranks(cfg.ep, 1, 1)
         return Plan("single", "")
-    fsdp = cfg.fsdp
+    # Expert parallelism needs FSDP2 (checks.check_expert_parallel refuses --no-fsdp).
+    fsdp = True if cfg.ep > 1 else cfg.fsdp
     replicated = "replicas" if master else "ddp"
     shard, why_shard = shard_group(cfg.fsdp_shard_size, info)
+    expert_parallel.check_ranks(cfg.ep, info.world_size, shard)
     replicas = info.world_size // shard
     how = {
         "replicas": "replicated, bf16 weights with fp32 masters, fp32 gradients all-reduced "
@@ -128,10 +137,13 @@ def choose(
         how["fsdp2"] += ", the gathered weights held through each step (fsdp_hold_weights)"
     if reduce != "fp32":
         how["fsdp2"] += f", gradients reduced in {reduce} (fsdp_reduce_dtype)"
+    if cfg.ep > 1:
+        how["fsdp2"] += expert_parallel.description(cfg.ep, info.world_size, shard)
     if fsdp is not None:
         kind = "fsdp2" if fsdp else replicated
-        why = f"--fsdp; {why_shard}" if fsdp else "--no-fsdp"
-        return Plan(kind, f"data parallel: {how[kind]} ({why})", shard, hold, reduce)
+        asked = "--fsdp" if cfg.fsdp else f"fsdp auto: --ep {cfg.ep} needs FSDP2"
+        why = f"{asked}; {why_shard}" if fsdp else "--no-fsdp"
+        return Plan(kind, f"data parallel: {how[kind]} ({why})", shard, hold, reduce, cfg.ep)
     total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
     gb = f"{state / 1e9:.1f} GB"
     if total and state > AUTO_FSDP_SHARE * total:
@@ -187,6 +199,8 @@ def wrap(
             if dtype == torch.bfloat16
             else MixedPrecisionPolicy()
         )
+        if plan.ep > 1:  # the experts first: the blocks' units leave them to their own
+            expert_parallel.shard_experts(model, device.type, plan.shard, plan.ep, mp)
         gpt = model.gpt
         for block in gpt.blocks:  # type: ignore[union-attr]
             fully_shard(block, mesh=mesh, mp_policy=mp)
