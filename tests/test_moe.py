@@ -174,6 +174,8 @@ def test_training_resumes_exactly_with_the_bias_and_logs_the_load(small_corpus, 
         r"step \d+ loss .* expert_load_max_over_mean ([\d.]+) unused_experts (\d+)", log
     )
     assert len(loads) == 7 and all(float(r) >= 1 for r, _ in loads)  # steps 1, 2, 4, .., 12
+    layers = re.findall(r"step 12 expert load by layer \(layer:max/mean:unused\) (.*)", log)
+    assert [c.split(":")[0] for c in layers[0].split()] == ["0", "1"]  # both blocks route
 
     first = Trainer(small_cfg(small_corpus, tmp_path / "b", *MOE, "--halt_after", "5"))
     got = first.fit()["losses"]

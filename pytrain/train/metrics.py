@@ -174,6 +174,15 @@ def read_step_lines(text: str) -> list[dict[str, float]]:
     return rows
 
 
+def expert_layers_line(number: int, stats: dict[str, float]) -> str:
+    """train.log's line of each MoE layer's load at a log step (GPT.routing_stats' per-layer
+    keys): `layer:max/mean:unused` for each, in layer order."""
+    layers = sorted(int(k.rsplit("/", 1)[1]) for k in stats if k.startswith("moe/unused_experts/"))
+    cells = (f"{i}:{stats[f'moe/load_max_over_mean/{i}']:.2f}:{stats[f'moe/unused_experts/{i}']:.0f}"
+             for i in layers)  # fmt: skip
+    return f"step {number} expert load by layer (layer:max/mean:unused) " + " ".join(cells)
+
+
 class StepLog:
     """What the loop writes per step and per evaluation: TensorBoard scalars, a text line
     every `log_every` steps (and the first), the progress bar, and console lines for
@@ -199,6 +208,7 @@ class StepLog:
         self.flops_token, self.peak, self.world_size = flops_token, peak, world_size
         self.log_every, self.progress, self.device = log_every, progress, device
         self.bar = None
+        self._layers_line = ""
         # Tokens, seconds and steps since the last text line.
         self._window: tuple[int, float, int] = (0, 0.0, 0)
 
@@ -260,12 +270,13 @@ class StepLog:
                 + (f" mfu {mfu:.1%}" if mfu else "")
                 + f" loss_exact {r.loss!r}"
             )
-            if stats := self.stats():  # the worst layer's; TensorBoard has each layer's
+            if stats := self.stats():  # the worst layer's here, each layer's on a line below
                 self.log.scalars(number, stats)
                 line += (
                     f" expert_load_max_over_mean {stats['moe/load_max_over_mean']:.2f}"
                     f" unused_experts {stats['moe/unused_experts']:.0f}"
                 )
+                self._layers_line = expert_layers_line(number, stats)
             if self.device.type == "cuda":
                 # Peaks so far: what the caching allocator holds (what must fit), and what
                 # tensors held; the difference is memory the allocator could not reuse.
@@ -274,6 +285,9 @@ class StepLog:
                     f" allocated_gib {torch.cuda.max_memory_allocated(self.device) / 2**30:.2f}"
                 )
             self.log.text(line)
+            if self._layers_line:
+                self.log.text(self._layers_line)
+                self._layers_line = ""
             self._window = (0, 0.0, 0)
 
     def eval(self, step: int, val: float | None) -> None:
