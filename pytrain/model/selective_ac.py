@@ -88,9 +88,11 @@ OUT_WIDTH_ARG = {"aten::mm": 1, "aten::_scaled_mm": 1, "aten::addmm": 2}
 """The plain matmuls, each with the argument whose last dimension is its output's: an up
 projection through nn.Linear, or torchao's Float8Linear (float8), is one of them."""
 
-COLLECTIVES = ("_c10d_functional", "c10d_functional")
+COLLECTIVES = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
 """Namespaces whose every op's output is kept, so that a recompute never communicates again
-(a collective inside a block: tensor parallelism, or FSDP2 traced into the graph)."""
+(a collective inside a block: tensor parallelism, FSDP2 traced into the graph, or expert
+parallelism's autograd-aware all-to-alls, whose exchange of the tokens is then not repeated
+by the recompute)."""
 
 _facts: dict[Any, tuple[bool, bool]] = {}
 """Per op: (listed in KEPT or a collective, writes into its arguments). A plain dict, not
