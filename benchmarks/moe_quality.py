@@ -22,6 +22,7 @@ the seed alone). A table is printed last."""
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import shutil
 import statistics
@@ -68,7 +69,7 @@ def run(
     if out.returncode:
         raise SystemExit(f"{run_name}: exit {out.returncode}: {out.stderr.strip()[-500:]}")
     log = (work / run_name / "train.log").read_text()
-    vals = [float(line.rsplit(" ", 1)[1]) for line in log.splitlines() if " val_loss " in line]
+    vals = [float(v) for v in re.findall(r"\bstep \d+ val_loss (\S+)", log)]
     last = read_step_lines(log)[-1]
     load = (
         (last["expert_load_max_over_mean"], int(last["unused_experts"]))
