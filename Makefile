@@ -27,14 +27,14 @@ comma := ,
 GPU_EXTRAS := $(if $(filter 1,$(FA4)),$(comma)fa4)$(if $(filter 1,$(CUBLASLT)),$(comma)cublaslt)
 EXTRAS := dev$(GPU_EXTRAS)
 
-# The package and its extras (dev pulls in parquet, zstd, plot) through maturin, which
-# builds the extension and has uv install the dependencies pyproject.toml lists: uv takes a
-# third of pip's time for torch and the rest (about 40 s against 110 s on 2 cores). Compiled
-# to bytecode as they install, as pip does: where PYTHONDONTWRITEBYTECODE is set, Python
-# never writes .pyc files, and each process would compile torch's modules again. pytrain's
-# own modules too (installed editable, so compiled by no installer): 0.2 CPU-seconds a
-# process, in each of the few hundred that the tests start; a module edited since is
-# compiled again as it is imported.
+# The package and its extras (dev pulls in parquet, zstd, plot, hf and ft: torchft) through
+# maturin, which builds the extension and has uv install the dependencies pyproject.toml
+# lists: uv takes a third of pip's time for torch and the rest (about 40 s against 110 s on
+# 2 cores). Compiled to bytecode as they install, as pip does: where PYTHONDONTWRITEBYTECODE
+# is set, Python never writes .pyc files, and each process would compile torch's modules
+# again. pytrain's own modules too (installed editable, so compiled by no installer): 0.2
+# CPU-seconds a process, in each of the few hundred that the tests start; a module edited
+# since is compiled again as it is imported.
 export UV_COMPILE_BYTECODE := 1
 $(VENV)/.ext: $(RUST_SRC)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -46,6 +46,9 @@ BOUNDS = {
     "fsdp_shard_size": (0, None),
     "ep": (1, None),
     "ac_lean_blocks": (0, None),
+    "ft.group": (0, None),
+    "ft.groups": (1, None),
+    "ft.min_replicas": (1, None),
 }
 """Numbers with a range (inclusive; None: open), checked where the command line is read.
 Positive-only ones (learning rates, betas below 1) are checked in check_choices."""
@@ -133,6 +136,47 @@ def check_choices(cfg: TrainConfig) -> None:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     check_expert_parallel(cfg)
+    check_replica_groups(cfg)
+
+
+def check_replica_groups(cfg: TrainConfig) -> None:
+    """The [ft] settings' needs that they alone decide (torchrun and torchft are checked
+    where the group starts: pytrain.train.replica_groups)."""
+    ft = cfg.ft
+    if not ft.lighthouse:
+        return
+    if not re.fullmatch(r"https?://[^\s/]+:\d+", ft.lighthouse):
+        raise ConfigError(
+            f"ft.lighthouse is {ft.lighthouse!r}; expected http://HOST:PORT (the address "
+            "torchft_lighthouse listens on, its --bind port)"
+        )
+    if ft.group >= ft.groups:
+        raise ConfigError(
+            f"ft.group {ft.group} is not one of ft.groups {ft.groups}: number the replica "
+            f"groups 0 to {ft.groups - 1}"
+        )
+    if ft.min_replicas > ft.groups:
+        raise ConfigError(
+            f"ft.min_replicas {ft.min_replicas} is more than ft.groups {ft.groups}: no step "
+            "could ever commit"
+        )
+    for key, value in (
+        ("ft.timeout_s", ft.timeout_s),
+        ("ft.quorum_timeout_s", ft.quorum_timeout_s),
+    ):
+        if not value > 0:
+            raise ConfigError(f"{key} is {value}; expected a number of seconds above 0")
+    if cfg.data.mode != "pack":
+        raise ConfigError(
+            "ft.lighthouse splits each step's rows of the global order over the replica "
+            f"groups: it needs data.mode pack (not {cfg.data.mode}, whose batches' rows vary)"
+        )
+    if cfg.model.family == "moe":  # each group would move its balancing bias by its own loads
+        raise ConfigError(
+            "ft.lighthouse with model.family moe: the experts' balancing bias is not yet "
+            "summed over the replica groups, so the groups' routing would part; train a "
+            "mixture of experts without --ft.lighthouse"
+        )
 
 
 def check_expert_parallel(cfg: TrainConfig) -> None:

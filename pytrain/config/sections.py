@@ -1,5 +1,6 @@
 """TrainConfig, the run's settings, with its sections: [optim] (OptimConfig), [compile]
-(CompileConfig), [data] (pytrain.config.data) and [model] (pytrain.model.config)."""
+(CompileConfig), [ft] (FtConfig), [data] (pytrain.config.data) and [model]
+(pytrain.model.config)."""
 
 from __future__ import annotations
 
@@ -78,6 +79,32 @@ class CompileConfig:
     is skipped with a note in the compile line."""
     inject_failure_at: int = -1
     """Testing knob: raise a compile-like failure at this step (>= 0) to exercise the fallback."""
+
+
+@dataclass
+class FtConfig:
+    """Replica groups on torchft (pytrain.train.replica_groups, docs/DISTRIBUTED.md): each
+    group is its own torchrun job, the groups meet at torchft's Lighthouse, and a group that
+    fails leaves the others training."""
+
+    lighthouse: str = ""
+    """The torchft Lighthouse this replica group joins, http://HOST:PORT (`torchft_lighthouse
+    --min_replicas N`, the ft extra); empty: off. Each step's global batch is then split over
+    the groups of that step's quorum, and a step commits only when torchft says so."""
+    group: int = 0
+    """This replica group's number, 0 to ft.groups - 1 (its run directory: runs/NAME/groupN)."""
+    groups: int = 1
+    """The replica groups the job is planned with. The global batch is theirs at full strength
+    (data.batch_size x optim.grad_accum x a group's ranks x ft.groups rows) and stays that
+    size while some are missing: the groups of a step's quorum take more micro-batches."""
+    min_replicas: int = 1
+    """A step commits only with at least this many groups in its quorum (torchft's
+    min_replica_size; start the Lighthouse with the same --min_replicas)."""
+    timeout_s: float = 60.0
+    """How long an all-reduce between groups, a commit vote or a heal's transfer waits."""
+    quorum_timeout_s: float = 120.0
+    """How long a step waits for a quorum at the Lighthouse (too few groups, or the Lighthouse
+    down and not yet back): then this group writes a checkpoint and stops with one line."""
 
 
 @dataclass
@@ -183,6 +210,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
+    ft: FtConfig = field(default_factory=FtConfig)
 
 
 def to_dict(cfg: TrainConfig) -> dict:

@@ -152,15 +152,15 @@ def _main(argv: list[str] | None, stop: StopSignals) -> int:
     from pytrain.model import fused_swiglu, quack_swiglu
     from pytrain.train.guard import TrainingStopped
     from pytrain.train.out_of_memory import explained
+    from pytrain.train.replica_groups import trainer_class
     from pytrain.train.report import final_report
     from pytrain.train.stopping import StoppedInSetUp
-    from pytrain.train.trainer import Trainer
 
     t0 = time.perf_counter()
     if not cfg.data.path and not cfg.data.mix:  # a mixture names its own datasets
         use_default_dataset(cfg)
     with explained(cfg):
-        trainer = Trainer(cfg, stop=stop)
+        trainer = trainer_class(cfg)(cfg, stop=stop)
     if trainer.dist.is_main:
         from pytrain.train.sources import keep_tokenizer
 

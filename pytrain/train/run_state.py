@@ -1,6 +1,7 @@
-"""A run's state in its checkpoints: what a checkpoint of the trainer holds (`collect`),
-writing it (`save`, synchronously or in the background), and continuing a run from the
-newest one (`resume`), refusing with one line a checkpoint this run cannot continue."""
+"""A run's state in its checkpoints: what a checkpoint of the trainer holds (`collect`; a
+rank's own part, `local_state`), writing it (`save`, synchronously or in the background),
+and continuing a run from the newest one (`resume`, through `restore`), refusing with one
+line a checkpoint this run cannot continue."""
 
 from __future__ import annotations
 
@@ -16,6 +17,17 @@ def collect(t, tensors: bool = True) -> dict:
     without the model's and optimizer's tensors for a sharded checkpoint (each rank writes
     its own shards of those, pytrain.train.sharded_checkpoint)."""
     per_rank = distributed.gather_objects({"rng": checkpoint.rng_state()}, t.dist)
+    return {
+        **local_state(t, tensors),
+        "ranks": per_rank,
+        "world_size": t.dist.world_size,
+        "config": to_dict(t.cfg),
+    }
+
+
+def local_state(t, tensors: bool = True) -> dict:
+    """What this rank holds of Trainer `t`'s state at a step boundary, read without a
+    collective (a healing peer's copy is read on torchft's thread: pytrain.train.replica_groups)."""
     weights: dict = {}
     if tensors:
         model, optim = t.gpt.state_dict(), t.optimizer.state_dict()
@@ -33,9 +45,6 @@ def collect(t, tensors: bool = True) -> dict:
         # One loader state for the run: at a step boundary it is the same on every
         # rank and does not depend on the world size.
         "loader": t.feed.state_dict(),
-        "ranks": per_rank,
-        "world_size": t.dist.world_size,
-        "config": to_dict(t.cfg),
     }
 
 
@@ -131,19 +140,7 @@ def resume(t) -> None:
             f"{path} was saved by a run without --fsdp (its optimizer state is keyed by "
             "parameter index): resume it without --fsdp, or train a new run under another --name"
         )
-    if "sharded" in state:  # each rank reads the chunks of its own layout (any world size)
-        sharded_checkpoint.load(state["sharded"], t.gpt, t.optimizer, state["param_groups"])
-    else:
-        distributed.load_model_optim_state(
-            t.gpt, t.optimizer, state["model"], state["optimizer"], t.sharded
-        )
-    if t.master:
-        t.opt_step.masters.load_masters(t.gpt, state["model"])
-    if t.precision.scaler and state["scaler"]:
-        t.precision.scaler.load_state_dict(state["scaler"])
-    t.guard.load_state_dict(state["guard"])
-    t.step, t.tokens_seen = state["step"], state["tokens_seen"]
-    t.compiler.load_state_dict(state)
+    restore(t, state)
     ranks, world = state["ranks"], t.dist.world_size
     same_world = len(ranks) == world
     # Checkpoints before the global order kept one loader state per rank.
@@ -166,3 +163,22 @@ def resume(t) -> None:
         )
     # How long the state took to read (an 8B's 64 GB: the disk's share of a restart).
     t.say(f"resumed from {path} at step {t.step} (read in {time.perf_counter() - t0:.1f}s)")
+
+
+def restore(t, state: dict, weights: bool = True) -> None:
+    """Loads into Trainer `t` what `local_state` read (or a checkpoint holds): weights and
+    optimizer (unless `weights` is off: the caller put them in), scaler, guard, step and
+    compile mode; the loader and the RNG are the caller's, which knows whose they were."""
+    if weights and "sharded" in state:  # each rank reads the chunks of its own layout
+        sharded_checkpoint.load(state["sharded"], t.gpt, t.optimizer, state["param_groups"])
+    elif weights:
+        distributed.load_model_optim_state(
+            t.gpt, t.optimizer, state["model"], state["optimizer"], t.sharded
+        )
+    if weights and t.master:
+        t.opt_step.masters.load_masters(t.gpt, state["model"])
+    if t.precision.scaler and state["scaler"]:
+        t.precision.scaler.load_state_dict(state["scaler"])
+    t.guard.load_state_dict(state["guard"])
+    t.step, t.tokens_seen = state["step"], state["tokens_seen"]
+    t.compiler.load_state_dict(state)

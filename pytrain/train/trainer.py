@@ -261,11 +261,16 @@ class Trainer:
         denom = max(tokens_all, 1.0)
         loss_sum, fallbacks = self._backward_with_fallback(batches, denom, prefetch)
         loss = distributed.all_sum_tensor(loss_sum, self.dist) / denom
+        tokens = sum(b.input_ids.numel() for b in batches) * self.dist.world_size
+        return self.update(loss, int(denom), tokens, fallbacks, self.stop.agreed(*votes))
+
+    def update(self, loss, loss_tokens: int, tokens: int, fallbacks, stop: bool) -> PendingStep:
+        """The optimizer step after a step's backward, `loss` its mean over every rank (replica
+        groups step here too, pytrain.train.replica_groups); the step's values are queued."""
         self.opt_step.set_lr(lr_at(self.step, self.cfg.optim, self.cfg.max_steps))
         grad_norm, bad, ema_before = self.opt_step.step(self.guard, self.step, loss)
         # Gradients are cleared when the next step starts (OptimizerStep.zero_grads), not here: under
         # CUDA graphs with accumulation they are kept, and reused, from step to step.
-        tokens = sum(b.input_ids.numel() for b in batches) * self.dist.world_size
         values = torch.stack([t.detach().float() for t in (loss, grad_norm, bad, ema_before)])
         ready = None
         if values.is_cuda:
@@ -273,9 +278,7 @@ class Trainer:
             values = host.copy_(values, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
-        return PendingStep(
-            values, ready, int(denom), tokens, fallbacks, stop=self.stop.agreed(*votes)
-        )
+        return PendingStep(values, ready, loss_tokens, tokens, fallbacks, stop=stop)
 
     def settle(self, p: PendingStep) -> StepResult:
         """Reads a queued step's values (one transfer) and does the guard's bookkeeping;

@@ -1,0 +1,297 @@
+"""Replica groups on torchft: data parallelism over groups that may fail, each group its own
+torchrun job (one rank, replicas, DDP or any plan of pytrain.train.parallel within it).
+
+torchft does the coordination; nothing here decides who is alive. Its Lighthouse (a process
+of its own, `torchft_lighthouse`) forms each step's quorum of the groups that ask; its
+Manager, in each group, sits between the backward and the optimizer step:
+
+1. `start_quorum` before the step's rows are read. A group behind the quorum's furthest
+   step (restarted, or late) heals there from a live peer over torchft's HTTP transport:
+   weights, optimizer, loader position, step and RNG (pytrain.train.peer_state), not from
+   disk.
+2. The step's rows are cut by that quorum (pytrain.train.step_rows): the global batch stays
+   the same while a group is missing, the others take more micro-batches.
+3. The gradients (and the loss) are summed over the quorum's groups by torchft's all-reduce,
+   and `should_commit` says whether the step counts: only then does the optimizer step and
+   the order move on; otherwise the step's rows are given back and the step is tried again
+   under the next quorum. A ledger line a step attempt (`ledger.jsonl` in the group's run
+   directory) says which rows of the global order the group trained, and whether it counted.
+
+Each group writes its own checkpoints under runs/NAME/groupN/."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from datetime import timedelta
+from typing import NoReturn
+
+import torch
+import torch.distributed as dist
+
+from pytrain.config import ConfigError, TrainConfig, derive_grad_accum
+from pytrain.train import distributed, peer_state, run_state, sources
+from pytrain.train.distributed import DistInfo
+from pytrain.train.guard import PendingStep
+from pytrain.train.step_rows import StepRows
+from pytrain.train.trainer import Trainer
+
+
+class HealFailed(RuntimeError):
+    """A peer's state did not load into this group (a bug, or groups run with other
+    settings: every group runs the same command but for --ft.group)."""
+
+
+class NoQuorum(ConfigError):
+    """No quorum of ft.min_replicas groups within ft.quorum_timeout_s (too few groups came,
+    or the Lighthouse is down): this group stops at its last committed step, checkpointed."""
+
+
+def trainer_class(cfg: TrainConfig) -> type[Trainer]:
+    """The trainer for `cfg`: a replica group's where ft.lighthouse is set."""
+    return ReplicaGroupTrainer if cfg.ft.lighthouse else Trainer
+
+
+def import_torchft():
+    """torchft (the ft extra), or one line that says how to install it."""
+    try:
+        import torchft
+    except ImportError as e:
+        raise ConfigError(
+            f"ft.lighthouse needs torchft, which does not import here ({e}): pip install "
+            "'pytrain[ft]' (make setup installs it)"
+        ) from None
+    return torchft
+
+
+def group_store() -> tuple[str, int]:
+    """(host, port) of this group's rendezvous store (this torchrun attempt's, see
+    distributed._attempt_store), which torchft's Manager shares among the group's ranks and
+    offers to the other groups for their all-reduce's rendezvous: under a loopback
+    MASTER_ADDR (torchrun --standalone) the host's name, so that other nodes reach it."""
+    store = dist.distributed_c10d._get_default_store()
+    while hasattr(store, "underlying_store"):  # the default group's PrefixStores
+        store = store.underlying_store
+    host = os.environ.get("MASTER_ADDR", "localhost")
+    if host in ("localhost", "127.0.0.1", "::1"):
+        host = socket.gethostname()
+    return host, store.port  # type: ignore[attr-defined]
+
+
+def sum_over_groups(manager, tensors: list[torch.Tensor], loss: torch.Tensor):
+    """Sums `tensors` (in place) and `loss` over the groups of the step's quorum, in one
+    all-reduce through torchft, then asks whether the step commits. Returns the summed loss,
+    or None where it does not (an all-reduce that failed, a group that failed its vote, too
+    few groups): the tensors are then left as they were, to be dropped.
+
+    A one rides along and must sum to the quorum's size. torchft re-forms its all-reduce
+    group only when the quorum's id changes, and a restarted Lighthouse counts ids from 1
+    again: a group may then hold the all-reduce group of an earlier quorum of the same id,
+    which leaves a group of this one out of the sum (seen with torchft 0.2.0: two groups
+    committed a step of three without the third's rows). Such a step does not commit; the
+    failed vote moves the Lighthouse to a new id, under which every group re-forms."""
+    one = torch.ones(1, device=loss.device)
+    flat = torch.cat([t.reshape(-1).float() for t in tensors] + [loss.reshape(1).float(), one])
+    manager.allreduce(flat, reduce_op=dist.ReduceOp.SUM).wait()
+    if (summed := round(float(flat[-1]))) != manager.num_participants():
+        manager.report_error(RuntimeError(
+            f"the all-reduce summed {summed} group(s) of a quorum of {manager.num_participants()}"
+        ))  # fmt: skip
+    if not manager.should_commit():
+        return None
+    at = 0
+    for t in tensors:
+        t.copy_(flat[at : at + t.numel()].view_as(t))
+        at += t.numel()
+    return flat[-2]
+
+
+class ReplicaGroupTrainer(Trainer):
+    """Trainer of one replica group (see the module docstring)."""
+
+    def __init__(self, cfg: TrainConfig, log=print, stop=None):
+        self.torchft = import_torchft()
+        env = distributed.from_env()
+        if not env.launched:
+            raise ConfigError(
+                "ft.lighthouse: start each replica group with torchrun (torchrun "
+                "--nproc_per_node N -m pytrain.train ... --ft.group K), one job a group"
+            )
+        # The global batch is the planned groups' (grad_accum derived over all their ranks).
+        if (line := derive_grad_accum(cfg, cfg.ft.groups * env.world_size)) and env.is_main:
+            log(line)
+        cfg.name = f"{cfg.name}/group{cfg.ft.group}"
+        super().__init__(cfg, log, stop)
+
+    def _build(self) -> None:
+        super()._build()
+        cfg = self.cfg
+        self.rows = (
+            cfg.data.batch_size * cfg.optim.grad_accum * self.dist.world_size * cfg.ft.groups
+        )
+        # Every rank reads the global order at world size 1 (the loader's state does not
+        # depend on it); a mixture's stages then start at row step x rows.
+        position = self.loader.state_dict()
+        self.loader.close()
+        batches = self.rows // cfg.data.batch_size
+        self.loader = sources.train_loader(cfg.data, self.sources, batches, DistInfo())
+        self.loader.load_state_dict(position)
+        self.rows_feed = StepRows(
+            self.loader, self.device, self.segments, self.rows, self.dist.rank,
+            self.dist.world_size,
+        )  # fmt: skip
+        self.rows_feed.quorum = self._quorum
+        # The loop reads it as it reads a DeviceFeed: take, prefetch, state_dict, close.
+        self.feed = self.rows_feed  # type: ignore[assignment]
+        self.manager = self._manager()
+        # One ledger a group, written by its rank 0: a line a step attempt.
+        self.ledger = (self.run_dir / "ledger.jsonl").open("a") if self.dist.is_main else None
+        self._healed: int | None = None  # the step of a heal just applied
+        self._quorum_s = 0.0  # the last quorum's seconds
+
+    def _manager(self):
+        ft, tf = self.cfg.ft, self.torchft
+        timeout = timedelta(seconds=ft.timeout_s)
+        cross = tf.ProcessGroupBabyNCCL if self.device.type == "cuda" else tf.ProcessGroupGloo
+        host, port = group_store()
+        try:
+            manager = tf.Manager(
+                pg=cross(timeout=timeout), load_state_dict=self._load_peer_state,
+                state_dict=self._peer_state, min_replica_size=ft.min_replicas,
+                # A quorum's heal is applied before the step's rows are cut: every group of
+                # the quorum then trains its share (torchft's asynchronous quorum would leave
+                # a healing group out of the step).
+                use_async_quorum=False, timeout=timeout,
+                quorum_timeout=timedelta(seconds=ft.quorum_timeout_s), connect_timeout=timeout,
+                rank=self.dist.rank, world_size=self.dist.world_size, store_addr=host,
+                store_port=port, lighthouse_addr=ft.lighthouse, replica_id=f"group{ft.group}",
+                # Every group builds the same weights from the same seed (as FSDP2's ranks
+                # do), so step 0 needs no transfer; a group behind heals at any step.
+                init_sync=False,
+                # A Lighthouse that is down is asked again about once a second until the
+                # quorum's timeout: one restarted within it finds the groups waiting.
+                quorum_retries=max(1, int(ft.quorum_timeout_s)),
+            )  # fmt: skip
+        except Exception as e:  # the Lighthouse is not there: torchft's RPC error
+            raise NoQuorum(
+                f"no Lighthouse at ft.lighthouse {ft.lighthouse}: {_first_line(e)}"
+            ) from None
+        # A group that resumed from its checkpoint starts its torchft step there.
+        manager.load_state_dict({"step": self.step, "batches_committed": self.step * ft.groups})
+        return manager
+
+    # ---- healing: what a peer sends and what this group loads (pytrain.train.peer_state) ----
+    def _peer_state(self) -> dict:
+        return peer_state.collect(self)
+
+    def _load_peer_state(self, state: dict) -> None:
+        try:
+            peer_state.load(self, state)
+        except Exception as e:  # not the quorum's failure: said as it is
+            raise HealFailed(f"group {self.cfg.ft.group} could not load a peer's state: {e}") from e
+        self._healed = self.step
+
+    # ---- a step ----------------------------------------------------------------------------
+    def _quorum(self) -> tuple[int, int]:
+        """(this group's place, the groups) of the next step's quorum, healed where behind;
+        NoQuorum, after a checkpoint, where none forms in time."""
+        t0 = time.perf_counter()
+        try:
+            self.manager.start_quorum()
+            place, groups = self.manager.participating_rank(), self.manager.num_participants()
+        except HealFailed:
+            raise
+        except Exception as e:  # torchft's TimeoutError or RuntimeError from its RPCs
+            self._stop_without_quorum(e)
+        self._quorum_s = time.perf_counter() - t0
+        if self._healed is not None:
+            self.say(f"healed from a peer at step {self._healed} in {self._quorum_s:.2f}s")
+            self._healed = None
+        assert place is not None, "a synchronous quorum has every group in its step"
+        return place, groups
+
+    def _stop_without_quorum(self, e: Exception) -> NoReturn:
+        ft = self.cfg.ft
+        run_state.save(self)
+        self.finish_checkpoints()
+        raise NoQuorum(
+            f"no quorum of ft.min_replicas {ft.min_replicas} replica group(s) at the Lighthouse "
+            f"{ft.lighthouse} within ft.quorum_timeout_s {ft.quorum_timeout_s:g} (too few groups, "
+            f"or the Lighthouse down: {_first_line(e)}); group {ft.group} stopped at step "
+            f"{self.step}, checkpoint in {self.run_dir}: run the same command to resume"
+        )
+
+    def train_step(self, batches, prefetch=None) -> PendingStep:
+        """One committed step: attempts until torchft commits one, each under its own
+        quorum, the rows of an attempt that does not commit given back."""
+        while (p := self._attempt(batches)) is None:
+            self.rows_feed.rewind()
+            batches, _ = self.rows_feed.take()
+        return p
+
+    def _attempt(self, batches) -> PendingStep | None:
+        # The stop votes within the group; the loss tokens over every group (every rank read
+        # all of the step's rows).
+        votes = distributed.all_sums(list(self.stop.vote()), self.dist, self.device)
+        denom = max(self.rows_feed.loss_tokens, 1)
+        loss_sum, fallbacks = self._backward_with_fallback(batches, denom)
+        t0 = time.perf_counter()
+        total = sum_over_groups(self.manager, self._grads(), loss_sum)
+        self._write_ledger(total is not None, time.perf_counter() - t0)
+        if total is None:
+            return None
+        self.rows_feed.commit()
+        loss = distributed.all_sum_tensor(total, self.dist) / denom
+        tokens = self.rows * self.cfg.data.seq_len
+        return self.update(loss, denom, tokens, fallbacks, self.stop.agreed(*votes))
+
+    def _grads(self) -> list[torch.Tensor]:
+        """This rank's gradients as the group reduced them (a shard's under FSDP2; the fp32
+        sums under master weights), the same list in every group: a parameter without a
+        gradient gets zeros."""
+        if self.master:
+            masters = self.opt_step.masters
+            if masters.flat_grad is None:  # one micro-batch left them in .grad
+                masters.accumulate()
+            assert masters.flat_grad is not None
+            return [masters.flat_grad]
+        out = []
+        for p in self.gpt.parameters():
+            if p.requires_grad:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                out.append(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
+        return out
+
+    def _write_ledger(self, committed: bool, sync_s: float) -> None:
+        """A line of the group's ledger for this step attempt: the step's rows of the global
+        order ([first, last]: a committed line says all of them were trained, as torchft's
+        all-reduce completed only with every group's share in it), this group's share of them
+        and its CRC-32, whether the step counted, and what torchft's part took: the quorum
+        (a heal included) and the all-reduce with the commit vote."""
+        if self.ledger is None:
+            return
+        start = self.step * self.rows
+        first, end = self.rows_feed.group_rows
+        line = {
+            "step": self.step, "committed": committed, "rows": [start, start + self.rows - 1],
+            "group": self.cfg.ft.group, "place": self.manager.participating_rank(),
+            "groups": self.manager.num_participants(), "share": [start + first, start + end - 1],
+            "crc": self.rows_feed.group_crc(), "pid": os.getpid(), "time": time.time(),
+            "quorum_ms": round(self._quorum_s * 1e3, 2), "sync_ms": round(sync_s * 1e3, 2),
+        }  # fmt: skip
+        self.ledger.write(json.dumps(line) + "\n")
+        self.ledger.flush()
+
+    def close(self) -> None:
+        if self.ledger is not None:
+            self.ledger.close()
+        self.manager.shutdown(wait=False)
+        super().close()
+
+
+def _first_line(e: BaseException) -> str:
+    """The first line of torchft's error (its messages carry a traceback after it)."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]

@@ -1,0 +1,121 @@
+"""The rows a rank of a replica group trains in one step (pytrain.train.replica_groups).
+
+Every rank of every group reads the same global order, at world size 1: a step's global
+batch is its rows [start, start + rows). The step's quorum (the groups torchft found alive)
+cuts them: group g of the quorum's G takes the contiguous rows `share(rows, G, g)`, and the
+group's ranks cut that share again the same way. A step that commits moves the order on by
+`rows`, whatever G was; one that does not gives its rows back (`rewind`), and the next
+attempt cuts the same rows by its own quorum. Since every rank read all of the step's rows,
+each knows the step's loss tokens (the loss's denominator) without asking the others."""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Callable
+
+import torch
+
+from pytrain.data.batch import DeviceBatch, FeedTime, HostBatch, loss_mask
+from pytrain.data.loader import TokenLoader
+
+
+def share(rows: int, parts: int, index: int) -> tuple[int, int]:
+    """[first, end) of part `index` when `rows` rows are cut into `parts` contiguous parts
+    whose sizes differ by one at most."""
+    return rows * index // parts, rows * (index + 1) // parts
+
+
+def _host_batch(tokens: torch.Tensor, doc_ids: torch.Tensor, epoch: int) -> HostBatch:
+    """Rows cut from loader batches, as a batch of no loader slot (its counts recomputed)."""
+    doc_tokens = int((doc_ids >= 0).sum())
+    loss_tokens = int(loss_mask(doc_ids).sum())
+    return HostBatch(
+        tokens, doc_ids, epoch, doc_tokens, tokens.numel() - doc_tokens, doc_tokens - loss_tokens
+    )
+
+
+class StepRows:
+    """DeviceFeed's part for a replica group: `take` asks for the step's quorum (through
+    `quorum`, which may heal this group from a peer first), reads the step's rows and returns
+    this rank's micro-batches of at most `batch_size` rows; `rewind` gives them back and
+    `commit` keeps them. Its state is the loader's at the start of the open step."""
+
+    def __init__(
+        self, loader: TokenLoader, device: torch.device, segments: bool, rows: int, rank: int,
+        ranks: int,
+    ):  # fmt: skip
+        self.loader, self.device, self.segments = loader, device, segments
+        self.rows = rows
+        """The global batch: rows a step trains over every group of its quorum."""
+        self.rank, self.ranks = rank, ranks  # within the group
+        self.quorum: Callable[[], tuple[int, int]] = lambda: (0, 1)
+        """(this group's place in the step's quorum, the quorum's groups)."""
+        self.loss_tokens = 0
+        """Loss tokens of the step's rows, over every group."""
+        self.group_rows = (0, 0)
+        """[first, end) of this group's rows within the step."""
+        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None  # the step's tokens, doc ids
+        self._start: dict | None = None  # loader state before the open step's rows
+
+    def take(self, n: int = 0) -> tuple[list[DeviceBatch], FeedTime]:
+        """This rank's micro-batches of the next step (`n`, DeviceFeed's count, is decided
+        here by the quorum) and the host's time spent on them."""
+        group, groups = self.quorum()
+        waited, t0 = self.loader.waited_s(), time.perf_counter()
+        self._start = self.loader.state_dict()
+        tokens, doc_ids, epochs = self._read()
+        self._rows = tokens, doc_ids
+        self.loss_tokens = int(loss_mask(doc_ids).sum())
+        first, end = self.group_rows = share(self.rows, groups, group)
+        mine, mine_end = share(end - first, self.ranks, self.rank)
+        size = self.loader.config.batch_size
+        batches = [
+            _host_batch(tokens[i : min(i + size, first + mine_end)],
+                        doc_ids[i : min(i + size, first + mine_end)], epochs[i // size],
+                        ).to(self.device, self.segments)
+            for i in range(first + mine, first + mine_end, size)
+        ]  # fmt: skip
+        spent = FeedTime(self.loader.waited_s() - waited, time.perf_counter() - t0)
+        return batches, spent
+
+    def _read(self) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """The step's rows from the loader (copied: the slots go back at once), and the epoch
+        of each loader batch."""
+        parts = []
+        for _ in range(self.rows // self.loader.config.batch_size):
+            hb = next(self.loader)
+            parts.append((hb.tokens.clone(), hb.doc_ids.clone(), hb.epoch))
+            hb.release()
+        tokens, doc_ids, epochs = zip(*parts, strict=True)
+        return torch.cat(tokens), torch.cat(doc_ids), list(epochs)
+
+    def group_crc(self) -> int:
+        """CRC-32 of the tokens of this group's rows of the open step, in order (the ledger's
+        fingerprint of what the group trained)."""
+        assert self._rows is not None
+        first, end = self.group_rows
+        return zlib.crc32(self._rows[0][first:end].contiguous().numpy().tobytes())
+
+    def commit(self) -> None:
+        self._start = self._rows = None
+
+    def rewind(self) -> None:
+        """The open step did not commit: its rows go back, to be cut by the next quorum."""
+        assert self._start is not None
+        start, self._rows = self._start, None
+        self.load_state_dict(start)
+
+    def prefetch(self, n: int) -> None:
+        """Nothing ahead: the next step's share waits for its quorum."""
+
+    def state_dict(self) -> dict:
+        """The loader state at the start of the open step (after the last committed one)."""
+        return dict(self._start) if self._start is not None else self.loader.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self._start = None
+        self.loader.load_state_dict(state)
+
+    def close(self) -> None:
+        self.loader.close()
