@@ -2,6 +2,8 @@
 --memory-peaks: what held each run's peak, and the mixture-of-experts shape (qwen3-moe-8l):
 both sides' commands (--dry-run) and the active parameters behind its MFU."""
 
+import os
+
 import pytest
 from conftest import load_script
 
@@ -318,10 +320,14 @@ def test_dry_run_prints_the_moe_shapes_default_runs_and_refuses_experts_at_a_den
     import subprocess
     import sys
 
+    # A shell without an allocator setting (another test's process may have set one): then
+    # torchtitan's runs get its launcher's.
+    env = {k: v for k, v in os.environ.items() if k not in titan.ALLOC_VARS}
+
     def dry(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "benchmarks/titan.py", "--titan-site", str(tmp_path),
                                "--work", str(tmp_path / "w"), "--dry-run", *args],
-                              capture_output=True, text=True, cwd=titan.ROOT, timeout=120)  # fmt: skip
+                              capture_output=True, text=True, cwd=titan.ROOT, timeout=120, env=env)  # fmt: skip
 
     r = dry("--shape", "qwen3-moe-8l", "--seq", "4096", "--steps", "30")
     assert r.returncode == 0, r.stderr
