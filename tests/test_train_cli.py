@@ -85,12 +85,10 @@ def test_embedded_default_trains_logs_checkpoints_and_resumes(tmp_path):
             ["--model.fused_gelu", "on"],
             "model.fused_gelu=on needs model.mlp=gelu and model.float8=off",
         ),
-        # On a dataset: without one, the embedded default would be built first (into the
-        # user's cache), as this check is the model's, made after the data is found.
-        (
-            ["--model.fused_swiglu", "quack", "--device", "cpu", "--data.path", "{train}"],
-            "fused_swiglu=quack needs a CUDA",
-        ),
+        # Without a dataset: checked before the embedded default would be built (the test
+        # asserts nothing was built: it ran after that build, minutes into a first run).
+        (["--model.fused_swiglu", "quack", "--device", "cpu"], "fused_swiglu=quack needs a CUDA"),
+        (["--model.attention", "fa4", "--device", "cpu"], "attention 'fa4' needs a Hopper"),
         (["--model.n_head", "5"], "model.d_model 256 is not a multiple of model.n_head 5"),
         (["--precision", "fp8"], "precision is 'fp8'; expected one of auto, bf16, fp16, fp32"),
         (["--compile.mode", "fast"], "compile.mode is 'fast'; expected one of auto, reduce-over"),
@@ -122,9 +120,11 @@ def test_user_errors_are_one_line_naming_the_path_or_key(tmp_path, small_corpus,
         capture_output=True,
         text=True,
         timeout=300,
+        env={**os.environ, "PYTRAIN_CACHE": str(tmp_path / "cache")},
     )
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr
+    assert not (tmp_path / "cache").exists()  # no embedded default built before the line
     lines = [line for line in r.stderr.splitlines() if "error" in line]
     assert len(lines) == 1 and named.format(**subst) in lines[0], r.stderr
 

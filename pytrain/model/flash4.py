@@ -31,6 +31,11 @@ class Segments(NamedTuple):
     max_seqlen: int
 
 
+NEEDS = "attention 'fa4' needs a Hopper or Blackwell GPU and the flash-attn-4 package"
+"""Why --model.attention fa4 cannot run here (said where the model is built, and earlier by
+the CLI, before any data is touched)."""
+
+
 def _gpu_runs_it(device_index: int) -> bool:
     """A Hopper or Blackwell GPU (sm90/sm100), the ones FA4 has kernels for."""
     if not torch.cuda.is_available():

@@ -395,9 +395,7 @@ class GPT(nn.Module):
                 "flex" if compiled and device.type == "cuda" and flex_available() else "sdpa_mask"
             )
         if a == "fa4" and not fa4:
-            raise ConfigError(
-                "attention 'fa4' needs a Hopper or Blackwell GPU and the flash-attn-4 package"
-            )
+            raise ConfigError(flash4.NEEDS)
         return a
 
     def make_mask(

@@ -144,6 +144,25 @@ def main(argv: list[str] | None = None) -> int:
         stop.restore()
 
 
+def check_model_here(cfg) -> None:
+    """ConfigError, one line, for a model setting this machine cannot run (quack's MLP, FA4
+    attention), found from the device and precision alone, as the model's build would."""
+    import torch
+
+    from pytrain.config import ConfigError
+    from pytrain.model import flash4, quack_swiglu
+    from pytrain.train import distributed
+    from pytrain.train.precision import choose_precision
+
+    device = distributed.resolve_device(cfg.device, distributed.from_env())
+    dtype = choose_precision(cfg.precision, device).dtype or torch.float32
+    quack_swiglu.check(cfg.model, device, dtype)
+    if cfg.model.attention == "fa4" and not (
+        device.type == "cuda" and flash4.available(device.index or 0)
+    ):
+        raise ConfigError(flash4.NEEDS)
+
+
 def _main(argv: list[str] | None, stop: StopSignals) -> int:
     from pytrain.config import parse_args
 
@@ -157,6 +176,7 @@ def _main(argv: list[str] | None, stop: StopSignals) -> int:
     from pytrain.train.stopping import StoppedInSetUp
 
     t0 = time.perf_counter()
+    check_model_here(cfg)  # before any data is touched: the embedded default takes minutes
     if not cfg.data.path and not cfg.data.mix:  # a mixture names its own datasets
         use_default_dataset(cfg)
     with explained(cfg):

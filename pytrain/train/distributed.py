@@ -62,12 +62,7 @@ def init(device_pref: str, timeout_s: float = 900.0) -> tuple[DistInfo, torch.de
     """Reads torchrun's environment; NCCL on CUDA, gloo on CPU; collectives time out after
     `timeout_s` (set_timeout shortens it once training runs)."""
     info = from_env()
-    if device_pref == "auto":
-        device = torch.device(f"cuda:{info.local_rank}" if torch.cuda.is_available() else "cpu")
-    elif device_pref == "cuda":
-        device = torch.device(f"cuda:{info.local_rank}")
-    else:
-        device = torch.device(device_pref)
+    device = resolve_device(device_pref, info)
     if device.type == "cuda":
         check_gpu(info, device)
         torch.cuda.set_device(device)
@@ -90,6 +85,15 @@ def init(device_pref: str, timeout_s: float = 900.0) -> tuple[DistInfo, torch.de
             timeout=timedelta(seconds=timeout_s),
         )
     return info, device
+
+
+def resolve_device(device_pref: str, info: DistInfo) -> torch.device:
+    """The device `--device` names for this rank (auto: its local GPU where there is one)."""
+    if device_pref == "auto":
+        return torch.device(f"cuda:{info.local_rank}" if torch.cuda.is_available() else "cpu")
+    if device_pref == "cuda":
+        return torch.device(f"cuda:{info.local_rank}")
+    return torch.device(device_pref)
 
 
 def check_gpu(info: DistInfo, device: torch.device) -> None:
