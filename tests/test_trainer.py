@@ -576,3 +576,23 @@ def test_resume_with_other_batch_settings_names_them_and_the_flags(small_corpus,
         "resuming a run saved with 4-row micro-batches with 3-row ones" in capsys.readouterr().out
     )
     other.close()
+
+
+def test_a_run_chosen_eager_resumes_compiled_when_asked(small_corpus, tmp_path):
+    """Eager by choice is no failure: resumed with --compile, the run takes the compile
+    level it asks for, and its line does not speak of a fallback; a level a run fell back
+    to after a failure is kept (test_compile_failure_falls_back_and_reruns_the_same_step)."""
+    from pytrain.train import compile_policy
+
+    first = Trainer(small_cfg(small_corpus, tmp_path, "--max_steps", "2"))
+    first.fit()
+    assert first.compiler.mode == "eager" and not first.compiler.fallbacks
+    first.close()
+    decision = compile_policy.CompileDecision("default", "requested")
+    compiled = compile_policy.CompiledModel(None, None, decision, True, print)
+    compiled.load_state_dict(
+        checkpoint.read(sorted((tmp_path / "runs" / "t").glob("ckpt-*.pt"))[-1])
+    )
+    assert compiled.mode == "default" and "fell back" not in compiled.reason
+    compiled.load_state_dict({"compile_mode": "eager", "fallbacks": ["step 2: default failed"]})
+    assert compiled.mode == "eager" and "fell back" in compiled.reason

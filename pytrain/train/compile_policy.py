@@ -218,9 +218,12 @@ class CompiledModel:
         return {"compile_mode": self.mode, "fallbacks": list(self.fallbacks)}
 
     def load_state_dict(self, state: dict) -> None:
-        """A resumed run keeps the fallbacks and never retries a level that failed."""
+        """A resumed run keeps the fallbacks and never retries a level that failed. A lower
+        level the previous run chose (eager on a CPU, --no-compile) is no failure: the
+        resumed run's own choice (e.g. --compile) stands."""
         self.fallbacks = list(state["fallbacks"])
-        if COMPILE_LEVELS.index(state["compile_mode"]) > COMPILE_LEVELS.index(self.mode):
+        lower = COMPILE_LEVELS.index(state["compile_mode"]) > COMPILE_LEVELS.index(self.mode)
+        if lower and self.fallbacks:
             self.mode = state["compile_mode"]
             self.reason = (
                 "a previous run fell back to it after a failure (see fallbacks in the log)"
