@@ -171,12 +171,6 @@ def check_replica_groups(cfg: TrainConfig) -> None:
             "ft.lighthouse splits each step's rows of the global order over the replica "
             f"groups: it needs data.mode pack (not {cfg.data.mode}, whose batches' rows vary)"
         )
-    if cfg.model.family == "moe":  # each group would move its balancing bias by its own loads
-        raise ConfigError(
-            "ft.lighthouse with model.family moe: the experts' balancing bias is not yet "
-            "summed over the replica groups, so the groups' routing would part; train a "
-            "mixture of experts without --ft.lighthouse"
-        )
 
 
 def check_expert_parallel(cfg: TrainConfig) -> None:

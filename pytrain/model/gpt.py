@@ -378,6 +378,14 @@ class GPT(nn.Module):
         """Called after each optimizer step, `skipped` 1 on the device where the step guard
         skipped it (a mixture of experts moves its balancing bias)."""
 
+    def step_sums(self) -> list[torch.Tensor]:
+        """State of the step, beside the gradients, that replica groups sum over each other
+        (pytrain.train.replica_groups; a mixture of experts: its loads); none here."""
+        return []
+
+    def discard_step(self) -> None:
+        """Forgets what a step that did not commit added to step_sums."""
+
     def routing_stats(self) -> dict[str, float]:
         """Scalars for the logs at a log step, read since the last call (a mixture of
         experts: each layer's expert load); a dense model has none."""

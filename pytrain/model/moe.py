@@ -209,6 +209,15 @@ class MoEGPT(GPT):
         torch._foreach_add_([m.window_load for m in layers], list(load.unbind(0)))
         torch._foreach_zero_([m.step_load for m in layers])
 
+    def step_sums(self) -> list[torch.Tensor]:
+        """The step's loads: summed over replica groups with the gradients, so that every
+        group moves its bias by every group's tokens (after_update then sums the ranks)."""
+        return [m.step_load for m in self.moe_layers()]
+
+    @torch.no_grad()
+    def discard_step(self) -> None:
+        torch._foreach_zero_(self.step_sums())
+
     def routing_stats(self) -> dict[str, float]:
         """Each MoE layer's expert load since the last call (max over mean tokens an
         expert, experts that got none), and the worst of each over the layers; one

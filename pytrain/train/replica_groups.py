@@ -238,9 +238,10 @@ class ReplicaGroupTrainer(Trainer):
         denom = max(self.rows_feed.loss_tokens, 1)
         loss_sum, fallbacks = self._backward_with_fallback(batches, denom)
         t0 = time.perf_counter()
-        total = sum_over_groups(self.manager, self._grads(), loss_sum)
+        total = sum_over_groups(self.manager, self._grads() + self.gpt.step_sums(), loss_sum)
         self._write_ledger(total is not None, time.perf_counter() - t0)
         if total is None:
+            self.gpt.discard_step()  # its rows are given back: so is what they routed
             return None
         self.rows_feed.commit()
         loss = distributed.all_sum_tensor(total, self.dist) / denom
