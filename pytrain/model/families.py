@@ -17,6 +17,7 @@ import torch
 from pytrain.model.config import ModelConfig
 from pytrain.model.gpt import GPT, KVCache
 from pytrain.model.hf import NotExportable
+from pytrain.model.moe import MoEGPT
 
 
 @dataclass(frozen=True)
@@ -50,15 +51,9 @@ class Family:
         return 6 * model.active_params() + 12 * c.n_layer * c.n_head * c.head_dim * seq_len
 
 
-def _moe_model() -> type[GPT]:
-    from pytrain.model.moe import MoEGPT
-
-    return MoEGPT
-
-
 FAMILIES = {
     "dense": Family("dense", GPT, "pytrain.model.hf"),
-    "moe": Family("moe", _moe_model(), "pytrain.model.hf_moe"),
+    "moe": Family("moe", MoEGPT, "pytrain.model.hf_moe"),
 }
 
 

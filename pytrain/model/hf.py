@@ -139,15 +139,10 @@ def from_hf(config: dict, weights: dict[str, torch.Tensor]) -> tuple[ModelConfig
             unsupported[f"rope {k}"] = (rope.get(k, v), v)
     elif rope_type != "default":
         unsupported["rope_type"] = (rope_type, "default or llama3")
-    if config["vocab_size"] % 64:  # ours pads it: the extra logits would change the loss
-        unsupported["vocab_size"] = (config["vocab_size"], "a multiple of 64")
-    for key, (got, ours) in unsupported.items():
-        if got != ours:
-            raise NotExportable(f"{arch} with {key} {got!r}: pytrain's GPT computes {ours!r}")
+    refuse_unsupported(arch, config, unsupported, "GPT")
     cfg = ModelConfig(
         vocab_size=config["vocab_size"], n_layer=n_layer, n_head=n_head,
-        n_kv_head=0 if kv == n_head else kv, d_model=d, mlp=mlp,
-        head_size=0 if (config.get("head_dim") or d // n_head) == d // n_head else config["head_dim"],
+        n_kv_head=0 if kv == n_head else kv, d_model=d, mlp=mlp, head_size=head_size_of(config),
         # Without the key (LlamaConfig's default is untied), the weights tell.
         tie_embeddings=config.get("tie_word_embeddings", "lm_head.weight" not in weights),
         rope_base=config.get("rope_theta") or rope.get("rope_theta", 10000.0),
@@ -182,6 +177,24 @@ def from_hf(config: dict, weights: dict[str, torch.Tensor]) -> tuple[ModelConfig
             state[p + "mlp.up.weight"] = weights[q + "mlp.up_proj.weight"]
         state[p + "mlp.down.weight"] = weights[q + "mlp.down_proj.weight"]
     return cfg, state
+
+
+def refuse_unsupported(arch: str, config: dict, unsupported: dict, ours: str) -> None:
+    """NotExportable naming the first of `unsupported`'s settings ({key: (the config's,
+    what our `ours` model computes)}) that differs, the vocabulary's size included."""
+    if config["vocab_size"] % 64:  # ours pads it: the extra logits would change the loss
+        unsupported = {**unsupported, "vocab_size": (config["vocab_size"], "a multiple of 64")}
+    for key, (got, computed) in unsupported.items():
+        if got != computed:
+            raise NotExportable(
+                f"{arch} with {key} {got!r}: pytrain's {ours} computes {computed!r}"
+            )
+
+
+def head_size_of(config: dict) -> int:
+    """model.head_size for a config.json: 0 where its heads are hidden_size / heads wide."""
+    plain = config["hidden_size"] // config["num_attention_heads"]
+    return 0 if (config.get("head_dim") or plain) == plain else config["head_dim"]
 
 
 def strip_prefixes(state: dict) -> dict:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from pytrain.model.config import ModelConfig
-from pytrain.model.hf import NotExportable, shared_to_hf
+from pytrain.model.hf import NotExportable, head_size_of, refuse_unsupported, shared_to_hf
 
 ARCHITECTURES = {"moe": ("qwen3_moe", "Qwen3MoeForCausalLM")}
 """model.family -> (model_type, the transformers class), as pytrain.model.hf's."""
@@ -146,16 +146,11 @@ def config_from_hf(config: dict) -> ModelConfig:
         "decoder_sparse_step": (config.get("decoder_sparse_step", 1), 1),
         "mlp_only_layers": (dense, list(range(len(dense)))),
     }
-    if config["vocab_size"] % 64:  # ours pads it: the extra logits would change the loss
-        unsupported["vocab_size"] = (config["vocab_size"], "a multiple of 64")
-    for key, (got, ours) in unsupported.items():
-        if got != ours:
-            raise NotExportable(f"{arch} with {key} {got!r}: pytrain's MoEGPT computes {ours!r}")
+    refuse_unsupported(arch, config, unsupported, "MoEGPT")
     cfg = ModelConfig(
         family="moe", vocab_size=config["vocab_size"], n_layer=n_layer, n_head=n_head,
         n_kv_head=0 if kv == n_head else kv, d_model=d, mlp="swiglu",
-        # Qwen3-30B-A3B's heads are wider than d_model / n_head: 32 of 128 over 2048.
-        head_size=0 if (config.get("head_dim") or d // n_head) == d // n_head else config["head_dim"],
+        head_size=head_size_of(config),  # Qwen3-30B-A3B's: 32 heads of 128 over 2048
         tie_embeddings=config.get("tie_word_embeddings", False),  # Qwen3MoeConfig's default
         rope_base=config.get("rope_theta") or rope.get("rope_theta", 10000.0),
         max_seq_len=config["max_position_embeddings"], norm_eps=config.get("rms_norm_eps", 1e-6),
