@@ -35,6 +35,7 @@ from test_run_safety import children
 from pytrain.config import ConfigError, parse_args
 from pytrain.data.loader import TokenLoader
 from pytrain.train import checkpoint
+from pytrain.train.replica_groups import quorum_mismatch, quorum_tag
 from pytrain.train.step_rows import share
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -270,6 +271,26 @@ def test_a_step_is_cut_into_contiguous_shares_that_differ_by_one_row_at_most():
             assert max(e - f for f, e in cuts) - min(e - f for f, e in cuts) <= 1
 
 
+def test_an_all_reduce_of_groups_that_cut_the_step_differently_commits_nowhere():
+    """The tags of the groups that summed a step: where any of them cut it otherwise (another
+    quorum's size, step or places, a group missing or twice), every group's check fails."""
+    tags = lambda *views: sum(quorum_tag(g, 3, place, n, step) for g, place, n, step in views)  # noqa: E731
+    views = [(0, 0, 3, 5), (1, 1, 3, 5), (2, 2, 3, 5)]
+    assert quorum_mismatch(tags(*views), 3, 3, 5) is None
+    assert quorum_mismatch(tags((2, 0, 2, 7), (0, 1, 2, 7)), 3, 2, 7) is None
+    # Seen: the Lighthouse restarted mid-step; group 2 of the old quorum of three summed with
+    # groups 0 and 1 of the new quorum of two, whose shares overlap its own.
+    mixed = tags((0, 0, 2, 5), (1, 1, 2, 5), (2, 2, 3, 5))
+    assert "quorums of [2, 2, 3] groups" in quorum_mismatch(mixed, 3, 3, 5)
+    assert "summed 3 group(s) of a quorum of 2" in quorum_mismatch(mixed, 3, 2, 5)
+    assert "summed 2 group(s) of a quorum of 3" in quorum_mismatch(tags(*views[:2]), 3, 3, 5)
+    assert "steps [5, 5, 6]" in quorum_mismatch(tags(*views[:2], (2, 2, 3, 6)), 3, 3, 5)
+    assert "places [0, 1, 1]" in quorum_mismatch(tags(*views[:2], (2, 1, 3, 5)), 3, 3, 5)
+    assert "more than one process of group(s) [1]" in quorum_mismatch(
+        tags(*views, views[1]), 3, 3, 5
+    )
+
+
 @pytest.mark.parametrize(
     "flags, names",
     [
@@ -381,9 +402,11 @@ def test_the_job_waits_for_a_restarted_lighthouse_and_goes_on_without_a_lost_gro
     """The Lighthouse is SIGKILLed and started again on its port 2 s later: the groups wait
     (torchft asks again about once a second, up to ft.quorum_timeout_s) and go on, every row
     still once. Then group 2's rank is SIGKILLed with no restart left: the two others train
-    the rest at the same global batch, 3 rows each."""
+    the rest at the same global batch, 3 rows each. The first Lighthouse forms no quorum
+    without all three groups (a group that starts late on a busy machine would otherwise
+    find the two others training without it), the second one quorums of two."""
     port = next(PORTS)
-    with lighthouse(tmp_path, 2, port) as (addr, first):
+    with lighthouse(tmp_path, GROUPS, port) as (addr, first):
         procs = [start_group(addr, k, ft_data, tmp_path) for k in range(GROUPS)]
         wait_for(lambda: len(ledger(tmp_path, 0)) >= 5, procs, tmp_path)
         first.kill()

@@ -80,32 +80,65 @@ def group_store() -> tuple[str, int]:
     return host, store.port  # type: ignore[attr-defined]
 
 
-def sum_over_groups(manager, tensors: list[torch.Tensor], loss: torch.Tensor):
-    """Sums `tensors` (in place) and `loss` over the groups of the step's quorum, in one
-    all-reduce through torchft, then asks whether the step commits. Returns the summed loss,
-    or None where it does not (an all-reduce that failed, a group that failed its vote, too
-    few groups): the tensors are then left as they were, to be dropped.
+def quorum_tag(group: int, groups: int, place: int, size: int, step: int) -> torch.Tensor:
+    """What a group adds to the step's all-reduce to say how it cut the step: at its own
+    index (ft.group) of four blocks of `groups` entries, a one, its place in the quorum, the
+    quorum's size and the step. Summed, each group's entries stay apart, and quorum_mismatch
+    reads every contributor's view back."""
+    tag = torch.zeros(4, groups)
+    tag[:, group] = torch.tensor([1.0, place, size, step % (1 << 24)])  # exact in float32
+    return tag.reshape(-1)
 
-    A one rides along and must sum to the quorum's size. torchft re-forms its all-reduce
-    group only when the quorum's id changes, and a restarted Lighthouse counts ids from 1
-    again: a group may then hold the all-reduce group of an earlier quorum of the same id,
-    which leaves a group of this one out of the sum (seen with torchft 0.2.0: two groups
-    committed a step of three without the third's rows). Such a step does not commit; the
+
+def quorum_mismatch(summed: torch.Tensor, groups: int, size: int, step: int) -> str | None:
+    """Why the all-reduce's contributors did not train this group's step as one quorum of
+    `size` groups at `step`, or None where they did: one process a group, `size` of them,
+    each with this step and size, their places 0..size-1 (so their shares cut the step's rows
+    once each). Every contributor reads the same sums, so a mismatch fails every group's
+    vote, not only the one whose view differs."""
+    one, place, n, at = summed.reshape(4, groups).round().long()
+    if not bool(((one == 0) | (one == 1)).all()):
+        return f"more than one process of group(s) {(one > 1).nonzero().flatten().tolist()}"
+    members = one.nonzero().flatten()
+    if len(members) != size:
+        return f"the all-reduce summed {len(members)} group(s) of a quorum of {size}"
+    if not (bool((n[members] == size).all()) and bool((at[members] == step % (1 << 24)).all())):
+        return (
+            f"groups {members.tolist()} were in quorums of {n[members].tolist()} groups at "
+            f"steps {at[members].tolist()}, this group in one of {size} at step {step}"
+        )
+    if sorted(place[members].tolist()) != list(range(size)):
+        return f"groups {members.tolist()} took the places {place[members].tolist()}"
+    return None
+
+
+def sum_over_groups(manager, tensors: list[torch.Tensor], loss: torch.Tensor, tag: torch.Tensor,
+                    check) -> torch.Tensor | None:  # fmt: skip
+    """Sums `tensors` (in place), `loss` and `tag` (quorum_tag) over the groups of the step's
+    quorum, in one all-reduce through torchft, then asks whether the step commits. Returns
+    the summed loss, or None where it does not (an all-reduce that failed, a group that failed
+    its vote, too few groups, or `check(summed tag)`'s mismatch): the tensors are then left
+    as they were, to be dropped.
+
+    The tag catches an all-reduce over groups that did not cut the step alike. torchft
+    re-forms its all-reduce group only when the quorum's id changes, and a restarted
+    Lighthouse counts ids from 1 again, so an all-reduce can mix quorums. Seen with torchft
+    0.2.0: two groups committed a step of three without the third's rows; and, the Lighthouse
+    restarted mid-step, a group of the old quorum of three summed with two of the new quorum
+    of two (their shares overlapping) and committed alone. Such a step commits nowhere; the
     failed vote moves the Lighthouse to a new id, under which every group re-forms."""
-    one = torch.ones(1, device=loss.device)
-    flat = torch.cat([t.reshape(-1).float() for t in tensors] + [loss.reshape(1).float(), one])
+    flat = torch.cat([t.reshape(-1).float() for t in tensors]
+                     + [loss.reshape(1).float(), tag.to(loss.device)])  # fmt: skip
     manager.allreduce(flat, reduce_op=dist.ReduceOp.SUM).wait()
-    if (summed := round(float(flat[-1]))) != manager.num_participants():
-        manager.report_error(RuntimeError(
-            f"the all-reduce summed {summed} group(s) of a quorum of {manager.num_participants()}"
-        ))  # fmt: skip
+    if (why := check(flat[-tag.numel() :].cpu())) is not None:
+        manager.report_error(RuntimeError(f"the step's all-reduce mixed quorums: {why}"))
     if not manager.should_commit():
         return None
     at = 0
     for t in tensors:
         t.copy_(flat[at : at + t.numel()].view_as(t))
         at += t.numel()
-    return flat[-2]
+    return flat[at]
 
 
 class ReplicaGroupTrainer(Trainer):
@@ -238,7 +271,16 @@ class ReplicaGroupTrainer(Trainer):
         denom = max(self.rows_feed.loss_tokens, 1)
         loss_sum, fallbacks = self._backward_with_fallback(batches, denom)
         t0 = time.perf_counter()
-        total = sum_over_groups(self.manager, self._grads() + self.gpt.step_sums(), loss_sum)
+        ft, place, size = (
+            self.cfg.ft,
+            self.manager.participating_rank(),
+            self.manager.num_participants(),
+        )
+        tag = quorum_tag(ft.group, ft.groups, place, size, self.step)
+        total = sum_over_groups(
+            self.manager, self._grads() + self.gpt.step_sums(), loss_sum, tag,
+            lambda summed: quorum_mismatch(summed, ft.groups, size, self.step),
+        )  # fmt: skip
         self._write_ledger(total is not None, time.perf_counter() - t0)
         if total is None:
             self.gpt.discard_step()  # its rows are given back: so is what they routed
