@@ -27,9 +27,9 @@ comma := ,
 GPU_EXTRAS := $(if $(filter 1,$(FA4)),$(comma)fa4)$(if $(filter 1,$(CUBLASLT)),$(comma)cublaslt)
 EXTRAS := dev$(GPU_EXTRAS)
 
-# The package and its extras (dev pulls in parquet, zstd, plot, hf and ft: torchft) through
-# maturin, which builds the extension and has uv install the dependencies pyproject.toml
-# lists: uv takes a third of pip's time for torch and the rest (about 40 s against 110 s on
+# The package and its extras (dev pulls in parquet, zstd, plot, hf, ft: torchft, wandb and
+# mlflow) through maturin, which builds the extension and has uv install the dependencies
+# pyproject.toml lists: uv takes a third of pip's time for torch and the rest (about 40 s against 110 s on
 # 2 cores). Compiled to bytecode as they install, as pip does: where PYTHONDONTWRITEBYTECODE
 # is set, Python never writes .pyc files, and each process would compile torch's modules
 # again. pytrain's own modules too (installed editable, so compiled by no installer): 0.2

@@ -106,14 +106,17 @@ def test_the_bias_moves_towards_the_mean_load_and_not_on_a_skipped_step():
     assert all(not m.expert_bias.any() for m in layers)
     for m, load in zip(layers, loads, strict=True):
         m.step_load.copy_(load)
-    gpt.after_update(torch.tensor(0.0))
+    routing = gpt.after_update(torch.tensor(0.0))
     for m, load in zip(layers, loads, strict=True):
         want = 0.01 * (load.mean() - load).sign()
         torch.testing.assert_close(m.expert_bias, want)
         assert not m.step_load.any()
-    stats = gpt.routing_stats()
-    assert set(stats) >= {"moe/load_max_over_mean", "moe/unused_experts"}
-    assert gpt.routing_stats() == {}  # read since the last call: nothing new
+    # The step's loads, handed to the logs with the step.
+    torch.testing.assert_close(routing, torch.stack(loads).float())
+    stats = gpt.routing_stats(routing)
+    worst = max((x.max() / x.mean()).item() for x in loads)
+    assert stats["moe/load_max_over_mean"] == pytest.approx(worst)
+    assert stats["moe/unused_experts"] == max((x == 0).sum().item() for x in loads)
 
 
 def test_balancing_losses_enter_the_gradient_not_the_reported_loss():

@@ -239,7 +239,7 @@ def test_the_step_lines_give_back_each_loss_bit_for_bit(tmp_path):
     first = torch.tensor(2 / 3)
     losses = [float(first), float(torch.nextafter(first, torch.tensor(1.0)))]
     for number, loss in enumerate(losses, 1):
-        r = SimpleNamespace(tokens=1000, loss=loss, grad_norm=1.0, skipped=None)
+        r = SimpleNamespace(tokens=1000, loss=loss, grad_norm=1.0, skipped=None, routing=None)
         steps.step(r, number, 1.0, FeedTime(), 1e-3, 0, 0)
     log.close()
     text = (tmp_path / "train.log").read_text()

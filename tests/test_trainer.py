@@ -14,6 +14,7 @@ import torch
 from pytrain.config import ConfigError, parse_args
 from pytrain.data import DeviceBatch
 from pytrain.data.batch import FeedTime
+from pytrain.model.config import ModelConfig
 from pytrain.optim.schedule import lr_at
 from pytrain.train import checkpoint
 from pytrain.train.checkpoint import CheckpointMismatch
@@ -514,7 +515,7 @@ def test_step_log_averages_throughput_over_the_window_between_lines(tmp_path):
     log = RunLog(tmp_path, True, False)
     steps = StepLog(log, lambda *a: None, flops_token=1.0, peak=None, world_size=1,
                     log_every=2, progress=False, device=torch.device("cpu"))  # fmt: skip
-    r = SimpleNamespace(tokens=1000, loss=1.0, grad_norm=1.0, skipped=None)
+    r = SimpleNamespace(tokens=1000, loss=1.0, grad_norm=1.0, skipped=None, routing=None)
     for number, dt in ((1, 1.0), (2, 1.999), (3, 0.001), (4, 1.0), (5, 1.0), (6, 1.0)):
         steps.step(r, number, dt, FeedTime(), 1e-3, 0, 0)
     log.close()
@@ -522,6 +523,34 @@ def test_step_log_averages_throughput_over_the_window_between_lines(tmp_path):
     got = [float(t.replace(",", "")) for t in re.findall(r"tok/s ([\d,]+)", text)]
     # step 1 alone; step 2 (1.999 s); steps 3-4: 2,000 tokens in 1.001 s, not 1,000 in 1 ms.
     assert got == [1000, 500, 1998, 1000], got
+
+
+def test_a_step_lines_expert_loads_are_those_of_its_own_steps(tmp_path):
+    """Each line's loads sum the routing of the steps it covers (since the previous line),
+    whenever the steps are read: once, the loads of the step queued after it were in them
+    and the line of a step read at once (an evaluation's, the last) had none."""
+    from types import SimpleNamespace
+
+    from pytrain.model.moe import MoEGPT
+    from pytrain.train.metrics import RunLog, StepLog
+
+    gpt = MoEGPT(ModelConfig(family="moe", n_layer=1, n_head=2, d_model=32, vocab_size=64,
+                             experts=2, top_k=1, expert_hidden=16))  # fmt: skip
+    log = RunLog(tmp_path, True, False)
+    steps = StepLog(log, lambda *a: None, flops_token=1.0, peak=None, world_size=1,
+                    log_every=2, progress=False, device=torch.device("cpu"),
+                    stats=gpt.routing_stats)  # fmt: skip
+    for number, load in enumerate(([4.0, 0.0], [0.0, 4.0], [3.0, 1.0], [1.0, 3.0]), start=1):
+        r = SimpleNamespace(tokens=8, loss=1.0, grad_norm=1.0, skipped=None,
+                            routing=torch.tensor([load]))  # fmt: skip
+        steps.step(r, number, 1.0, FeedTime(), 1e-3, 0, 0)
+    log.close()
+    text = (tmp_path / "train.log").read_text()
+    got = re.findall(
+        r"step (\d+) loss .* expert_load_max_over_mean ([\d.]+) unused_experts (\d)", text
+    )
+    # step 1 alone ([4, 0]), step 2 alone ([0, 4]), steps 3-4 together ([4, 4]).
+    assert got == [("1", "2.00", "1"), ("2", "2.00", "1"), ("4", "1.00", "0")], text
 
 
 def test_step_lines_read_back_as_the_step_log_writes_them(tmp_path):
@@ -534,7 +563,7 @@ def test_step_lines_read_back_as_the_step_log_writes_them(tmp_path):
     log = RunLog(tmp_path, True, False)
     steps = StepLog(log, lambda *a: None, flops_token=2.0, peak=4000.0, world_size=1,
                     log_every=1, progress=False, device=torch.device("cpu"))  # fmt: skip
-    r = SimpleNamespace(tokens=1000, loss=2.5, grad_norm=0.75, skipped=None)
+    r = SimpleNamespace(tokens=1000, loss=2.5, grad_norm=0.75, skipped=None, routing=None)
     steps.step(r, 1, 1.0, FeedTime(0.002, 0.003), 1e-3, 0, 0)
     steps.eval(1, 3.25)
     steps.step(r, 2, 0.5, FeedTime(0.0, 0.001), 2e-3, 0, 0)

@@ -199,6 +199,13 @@ class TrainConfig:
     sample_tokens: int = 80
     progress: bool = True
     tensorboard: bool = True
+    wandb: bool = False
+    """Also log to Weights & Biases (the wandb extra; pytrain/train/trackers.py): the scalars
+    TensorBoard gets and the run's configuration. W&B's own settings say where:
+    WANDB_PROJECT (else "pytrain"), WANDB_ENTITY, WANDB_MODE=offline."""
+    mlflow: bool = False
+    """Also log to MLflow (the mlflow extra), as wandb: MLFLOW_TRACKING_URI (else a SQLite
+    store beside the runs, OUT_DIR/mlflow.db), MLFLOW_EXPERIMENT_NAME (else "pytrain")."""
     profile_steps: str = ""
     """'A:B' records steps A..B-1 with torch.profiler: runs/<name>/profile/ gets a Chrome
     trace and a table of kernel times per step (pytrain/train/profiling.py). Empty: off."""

@@ -374,9 +374,12 @@ class GPT(nn.Module):
     def after_micro_batch(self) -> None:
         """Called after each micro-batch's backward (a mixture of experts adds up its load)."""
 
-    def after_update(self, skipped: torch.Tensor) -> None:
+    def after_update(self, skipped: torch.Tensor) -> torch.Tensor | None:
         """Called after each optimizer step, `skipped` 1 on the device where the step guard
-        skipped it (a mixture of experts moves its balancing bias)."""
+        skipped it (a mixture of experts moves its balancing bias). Returns what the logs
+        read of this step, on the device, with routing_stats (a mixture of experts: its
+        loads); a dense model nothing."""
+        return None
 
     def step_sums(self) -> list[torch.Tensor]:
         """State of the step, beside the gradients, that replica groups sum over each other
@@ -386,9 +389,10 @@ class GPT(nn.Module):
     def discard_step(self) -> None:
         """Forgets what a step that did not commit added to step_sums."""
 
-    def routing_stats(self) -> dict[str, float]:
-        """Scalars for the logs at a log step, read since the last call (a mixture of
-        experts: each layer's expert load); a dense model has none."""
+    def routing_stats(self, window: torch.Tensor) -> dict[str, float]:
+        """Scalars for the logs at a log step from `window`, the sum of after_update's
+        returns over the steps since the last log line (a mixture of experts: each layer's
+        expert load); a dense model has none."""
         return {}
 
     def attention_backend(self, device: torch.device, compiled: bool) -> str:

@@ -83,7 +83,6 @@ class MoE(nn.Module):
     expert_bias: torch.Tensor
     micro_load: torch.Tensor
     step_load: torch.Tensor
-    window_load: torch.Tensor
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -97,9 +96,9 @@ class MoE(nn.Module):
         # The balancing bias is state: it is saved and restored, so resume stays exact.
         self.register_buffer("expert_bias", torch.zeros(e))
         # Tokens routed to each expert: by the last forward (written, not added, so that a
-        # forward recomputed by activation checkpointing counts once), by the optimizer
-        # step, and since the logs last read them.
-        for name in ("micro_load", "step_load", "window_load"):
+        # forward recomputed by activation checkpointing counts once), and by the optimizer
+        # step (after_update hands each step's to the logs).
+        for name in ("micro_load", "step_load"):
             self.register_buffer(name, torch.zeros(e), persistent=False)
 
     def route(self, x: torch.Tensor):
@@ -176,7 +175,7 @@ class MoEGPT(GPT):
             nn.init.normal_(m.experts.up, std=0.02)
             nn.init.normal_(m.experts.down, std=std_down)
             m.expert_bias.zero_()
-            for buf in (m.micro_load, m.step_load, m.window_load):
+            for buf in (m.micro_load, m.step_load):
                 buf.zero_()
 
     def active_params(self) -> int:
@@ -191,13 +190,14 @@ class MoEGPT(GPT):
         torch._foreach_add_([m.step_load for m in layers], [m.micro_load for m in layers])
 
     @torch.no_grad()
-    def after_update(self, skipped: torch.Tensor) -> None:
+    def after_update(self, skipped: torch.Tensor) -> torch.Tensor | None:
         """Each layer's loads of the step, summed over the ranks (so that every rank moves
         its bias alike), move the balancing bias by balance_rate towards the mean load
-        (not where the step was skipped), and join the logs' window."""
+        (not where the step was skipped); returned, (layers, experts) on the device, for
+        the logs of this step (routing_stats)."""
         layers = self.moe_layers()
         if not layers:
-            return
+            return None
         load = torch.stack([m.step_load for m in layers]).float()  # (layers, E)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(load)
@@ -206,8 +206,8 @@ class MoEGPT(GPT):
             keep = 1.0 - skipped.to(load.device, torch.float32)
             move = (load.mean(-1, keepdim=True) - load).sign() * (rate * keep)
             torch._foreach_add_([m.expert_bias for m in layers], list(move.unbind(0)))
-        torch._foreach_add_([m.window_load for m in layers], list(load.unbind(0)))
         torch._foreach_zero_([m.step_load for m in layers])
+        return load
 
     def step_sums(self) -> list[torch.Tensor]:
         """The step's loads: summed over replica groups with the gradients, so that every
@@ -218,21 +218,13 @@ class MoEGPT(GPT):
     def discard_step(self) -> None:
         torch._foreach_zero_(self.step_sums())
 
-    def routing_stats(self) -> dict[str, float]:
-        """Each MoE layer's expert load since the last call (max over mean tokens an
-        expert, experts that got none), and the worst of each over the layers; one
-        transfer."""
-        layers = self.moe_layers()
-        if not layers:
-            return {}
-        window = torch.stack([m.window_load for m in layers])
-        torch._foreach_zero_([m.window_load for m in layers])
+    def routing_stats(self, window: torch.Tensor) -> dict[str, float]:
+        """Each MoE layer's expert load over the steps of `window` (the sum of their
+        after_update loads: max over mean tokens an expert, experts that got none), and the
+        worst of each over the layers; one transfer."""
         mean = window.mean(-1).clamp_min(1e-9)
-        seen = window.sum(-1)
-        table = torch.stack([window.max(-1).values / mean, (window == 0).sum(-1).float(), seen])
-        ratio, unused, seen = table.cpu().tolist()
-        if not any(seen):  # no step since the last read
-            return {}
+        table = torch.stack([window.max(-1).values / mean, (window == 0).sum(-1).float()])
+        ratio, unused = table.cpu().tolist()
         first = self.cfg.dense_layers
         out = {}
         for j, (r, u) in enumerate(zip(ratio, unused, strict=True)):

@@ -41,6 +41,7 @@ class OptimizerStep:
         # each update).
         self.model_after_micro_batch = getattr(model, "after_micro_batch", lambda: None)
         self.model_after_update = getattr(model, "after_update", lambda skipped: None)
+        self.routing: torch.Tensor | None = None
         # Before each update (skipped or not): a checkpoint's copies still reading the
         # tensors it overwrites are waited for (ShardedWriter.before_update).
         self.before_update: Callable[[], None] | None = None
@@ -113,7 +114,7 @@ class OptimizerStep:
             self.optimizer.step()
             if self.after_update is not None:
                 self.after_update()
-        self.model_after_update(torch.as_tensor(bad))
+        self.routing = self.model_after_update(torch.as_tensor(bad))  # the step's, for its log
         return norm, bad, ema_before
 
     def _scaler_step(self, bad, loss, norm) -> torch.Tensor:

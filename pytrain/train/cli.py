@@ -169,6 +169,7 @@ def _main(argv: list[str] | None, stop: StopSignals) -> int:
     cfg = parse_args(argv)
     apply_env_guards(cfg)
     from pytrain.model import fused_swiglu, quack_swiglu
+    from pytrain.train import trackers
     from pytrain.train.guard import TrainingStopped
     from pytrain.train.out_of_memory import explained
     from pytrain.train.replica_groups import trainer_class
@@ -177,6 +178,7 @@ def _main(argv: list[str] | None, stop: StopSignals) -> int:
 
     t0 = time.perf_counter()
     check_model_here(cfg)  # before any data is touched: the embedded default takes minutes
+    trackers.check_installed(cfg)
     if not cfg.data.path and not cfg.data.mix:  # a mixture names its own datasets
         use_default_dataset(cfg)
     with explained(cfg):
@@ -224,11 +226,11 @@ def _main(argv: list[str] | None, stop: StopSignals) -> int:
                 f"stopped at step {result['step']} by {signal}; checkpoint "
                 f"{list_checkpoints(trainer.run_dir)[-1]}; run the same command to resume"
             )
-        trainer.close()
+        trainer.close(trackers.KILLED)
         return exit_code(signal)
     if trainer.dist.is_main:
         final_report(trainer, result, time.perf_counter() - t0)
-    trainer.close()
+    trainer.close(trackers.FINISHED)
     return EXIT_OK
 
 

@@ -83,6 +83,8 @@ class StepResult:
     tokens: int
     skipped: str | None = None
     fallbacks: list[str] = field(default_factory=list)
+    routing: torch.Tensor | None = None
+    """The model's values of this step for the logs (GPT.after_update), on the device."""
 
 
 @dataclass
@@ -102,3 +104,6 @@ class PendingStep:
     fallbacks: list[str]
     stop: bool = False
     """Some rank was asked to stop (a signal) before this step: every rank stops after it."""
+    routing: torch.Tensor | None = None
+    """GPT.after_update's values of this step (a mixture of experts' loads), on the device:
+    read at log steps only, so logged with the step they belong to."""

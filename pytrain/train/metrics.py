@@ -11,12 +11,15 @@ from __future__ import annotations
 import re
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
 
+from pytrain.config import TrainConfig
 from pytrain.data.batch import FeedTime
+from pytrain.train import trackers
+from pytrain.train.trackers import Tracker
 
 PEAK_BF16_FLOPS = {
     "H100": 989e12,
@@ -36,12 +39,16 @@ def peak_flops(device: torch.device) -> float | None:
 
 
 class RunLog:
-    """TensorBoard writer (rank 0) plus a text log file runs/<name>/train.log."""
+    """TensorBoard writer (rank 0) plus a text log file runs/<name>/train.log, and the
+    trackers that get the same scalars (pytrain.train.trackers: W&B, MLflow)."""
 
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool):
+    def __init__(
+        self, run_dir: Path, enabled: bool, tensorboard: bool, trackers: Sequence[Tracker] = ()
+    ):
         self.enabled = enabled
         self.tb = None
         self.file = None
+        self.trackers = list(trackers)
         if enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
             self.file = open(run_dir / "train.log", "a")
@@ -50,23 +57,38 @@ class RunLog:
 
                 self.tb = SummaryWriter(log_dir=str(run_dir / "tb"))
 
+    @classmethod
+    def of(cls, cfg: TrainConfig, run_dir: Path, enabled: bool, resumed: bool) -> RunLog:
+        """The run's logs as `cfg` asks (rank 0: `enabled`); `resumed`: its trackers go on in
+        the tracked runs the run directory names."""
+        tracked = trackers.open_trackers(cfg, run_dir, enabled, resumed)
+        return cls(run_dir, enabled, cfg.tensorboard, tracked)
+
     def scalars(self, step: int, values: Mapping[str, float | None]) -> None:
         """Logs every value that is not None (a figure this run cannot measure)."""
+        known = {k: v for k, v in values.items() if v is not None}
         if self.tb is not None:
-            for k, v in values.items():
-                if v is not None:
-                    self.tb.add_scalar(k, v, step)
+            for k, v in known.items():
+                self.tb.add_scalar(k, v, step)
+        for t in self.trackers:
+            t.scalars(step, known)
 
     def text(self, line: str) -> None:
         if self.file is not None:
             self.file.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
             self.file.flush()
 
-    def close(self) -> None:
+    def close(self, status: str = trackers.FAILED) -> None:
+        """`status`: how the run ended (trackers.FINISHED, KILLED, FAILED)."""
+        for t in self.trackers:
+            t.close(status)
+        self.trackers = []
         if self.tb is not None:
             self.tb.close()
+            self.tb = None
         if self.file is not None:
             self.file.close()
+            self.file = None
 
 
 def log_mixture(log: RunLog, step: int, names: list[str], loader_state: dict) -> None:
@@ -199,18 +221,20 @@ class StepLog:
         log_every: int,
         progress: bool,
         device: torch.device,
-        stats: Callable[[], dict[str, float]] = dict,
+        stats: Callable[[torch.Tensor], dict[str, float]] = lambda window: {},
     ):
         """`stats`: the model's scalars at each log step (GPT.routing_stats: a mixture of
-        experts' loads), read there only: no host sync in the steps between."""
+        experts' loads) from the sum of the logged steps' `routing` since the last line,
+        read there only: no host sync in the steps between."""
         self.log, self.say = log, say
         self.stats = stats
         self.flops_token, self.peak, self.world_size = flops_token, peak, world_size
         self.log_every, self.progress, self.device = log_every, progress, device
         self.bar = None
         self._layers_line = ""
-        # Tokens, seconds and steps since the last text line.
+        # Tokens, seconds and steps since the last text line, and the sum of their routing.
         self._window: tuple[int, float, int] = (0, 0.0, 0)
+        self._routing: torch.Tensor | None = None
 
     def open_bar(self, total: int, initial: int) -> None:
         if self.progress:
@@ -236,6 +260,8 @@ class StepLog:
         tokens, seconds, steps = self._window
         tokens, seconds, steps = tokens + r.tokens, seconds + dt, steps + 1
         self._window = (tokens, seconds, steps)
+        if r.routing is not None:  # a device add, read at the log line
+            self._routing = r.routing if self._routing is None else self._routing + r.routing
         tok_s = tokens / seconds
         dt = seconds / steps
         mfu = tok_s * self.flops_token / (self.peak * self.world_size) if self.peak else None
@@ -270,7 +296,8 @@ class StepLog:
                 + (f" mfu {mfu:.1%}" if mfu else "")
                 + f" loss_exact {r.loss!r}"
             )
-            if stats := self.stats():  # the worst layer's here, each layer's on a line below
+            stats = self.stats(self._routing) if self._routing is not None else {}
+            if stats:  # the worst layer's here, each layer's on a line below
                 self.log.scalars(number, stats)
                 line += (
                     f" expert_load_max_over_mean {stats['moe/load_max_over_mean']:.2f}"
@@ -288,7 +315,7 @@ class StepLog:
             if self._layers_line:
                 self.log.text(self._layers_line)
                 self._layers_line = ""
-            self._window = (0, 0.0, 0)
+            self._window, self._routing = (0, 0.0, 0), None
 
     def eval(self, step: int, val: float | None) -> None:
         if val is None:

@@ -328,11 +328,11 @@ class ReplicaGroupTrainer(Trainer):
         self.ledger.write(json.dumps(line) + "\n")
         self.ledger.flush()
 
-    def close(self) -> None:
+    def close(self, status: str = "FAILED") -> None:
         if self.ledger is not None:
             self.ledger.close()
         self.manager.shutdown(wait=False)
-        super().close()
+        super().close(status)
 
 
 def _first_line(e: BaseException) -> str:

@@ -1,6 +1,6 @@
 """The training loop: data from TokenLoader (no torch DataLoader), AMP, compile with
 fallback, activation checkpointing, per-token gradient accumulation, guards against
-NaN and loss spikes, atomic checkpoints with exact resume, TensorBoard."""
+NaN and loss spikes, atomic checkpoints with exact resume, TensorBoard (W&B, MLflow)."""
 
 from __future__ import annotations
 
@@ -33,14 +33,7 @@ from pytrain.train import (
 )
 from pytrain.train.evaluation import Evaluator
 from pytrain.train.guard import PendingStep, StepGuard, StepResult
-from pytrain.train.metrics import (
-    CpuClock,
-    RunLog,
-    StepClock,
-    StepLog,
-    log_mixture,
-    peak_flops,
-)
+from pytrain.train.metrics import CpuClock, RunLog, StepClock, StepLog, log_mixture, peak_flops
 from pytrain.train.precision import choose_precision
 from pytrain.train.profiling import StepProfiler
 from pytrain.train.stopping import StopSignals
@@ -167,7 +160,8 @@ class Trainer:
 
     def _build_logs(self) -> None:
         cfg, m = self.cfg, self.cfg.model
-        self.log = RunLog(self.run_dir, self.dist.is_main, cfg.tensorboard)
+        # After resume: a resumed run goes on in the tracked runs (W&B, MLflow) it began.
+        self.log = RunLog.of(cfg, self.run_dir, self.dist.is_main, resumed=self.step > 0)
         self.profiler = StepProfiler(
             cfg.profile_steps if self.dist.is_main else "", self.run_dir / "profile", self.device,
             memory=cfg.profile_memory,
@@ -278,7 +272,10 @@ class Trainer:
             values = host.copy_(values, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
-        return PendingStep(values, ready, loss_tokens, tokens, fallbacks, stop=stop)
+        routing = self.opt_step.routing
+        return PendingStep(
+            values, ready, loss_tokens, tokens, fallbacks, stop=stop, routing=routing
+        )
 
     def settle(self, p: PendingStep) -> StepResult:
         """Reads a queued step's values (one transfer) and does the guard's bookkeeping;
@@ -287,7 +284,7 @@ class Trainer:
             p.ready.synchronize()
         loss, norm, bad, ema = p.values.tolist()
         reason = self.guard.record(bool(bad), loss, norm, ema)
-        return StepResult(loss, norm, p.loss_tokens, p.tokens, reason, p.fallbacks)
+        return StepResult(loss, norm, p.loss_tokens, p.tokens, reason, p.fallbacks, p.routing)
 
     # ---- compile warm-up ------------------------------------------------------------------
     def warm_up_shapes(self) -> list[tuple[int, int]]:
@@ -440,10 +437,11 @@ class Trainer:
             "stopped_by": self.stopped_by,
         }
 
-    def close(self) -> None:
+    def close(self, status: str = "FAILED") -> None:
+        """`status`: how the run ended, for the trackers (pytrain.train.trackers)."""
         self.stop.restore()
         self.ckpt_writer.wait()
         self.feed.close()
-        self.log.close()
+        self.log.close(status)
         distributed.shutdown(self.dist, self.module)
         self.run_lock.release()
