@@ -43,11 +43,12 @@ def test_groups_muon_for_block_matrices_adamw_for_embedding_head_and_norms(tie):
     assert opt.muon.param_groups[0]["lr"] == 0.02 and opt.adamw.param_groups[0]["lr"] == 1e-3
 
 
-def test_newton_schulz_orthogonalises():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_newton_schulz_orthogonalises(dtype):
     torch.manual_seed(0)
     for shape in [(48, 16), (16, 48), (32, 32)]:
         g = torch.randn(shape)
-        o = muon.newton_schulz(g).float()
+        o = muon.newton_schulz(g, dtype=dtype).float()
         assert o.shape == g.shape
         s = torch.linalg.svdvals(o)
         # The quintic's fixed band (not exactly 1: faster convergence at zero instead).
@@ -78,8 +79,43 @@ def test_compact_muon_is_torch_muon():
 
 def test_compact_muon_is_used_where_torch_has_none(monkeypatch):
     monkeypatch.delattr(torch.optim, "Muon", raising=False)
+    assert muon.muon_class() is muon.CompactMuon
+
+
+def test_on_a_cpu_newton_schulz_runs_in_fp32():
+    """A CPU without bf16 matrix units emulates bf16 matmuls (4x fp32's time); the update
+    stays within bf16's rounding of torch's."""
     opt = muon.MuonAdamW(tiny_gpt(), OptimConfig(name="muon"), CPU)
-    assert isinstance(opt.muon, muon.CompactMuon)
+    assert isinstance(opt.muon, muon.CompactMuon) and opt.muon.ns_dtype == torch.float32
+    torch.manual_seed(0)
+    g = torch.randn(64, 24)
+    o32, o16 = (muon.newton_schulz(g, dtype=d).float() for d in (torch.float32, torch.bfloat16))
+    assert not torch.equal(o32, o16)
+    torch.testing.assert_close(o32, o16, rtol=0, atol=0.05)
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="this torch has no torch.optim.Muon")
+def test_compact_and_torch_muon_load_each_others_state():
+    """A checkpoint of a CPU run (CompactMuon) resumes on a GPU (torch.optim.Muon) and back:
+    the same group settings, the same momentum, the same next step."""
+    torch.manual_seed(0)
+    ws, grads = [torch.randn(24, 8)], [[torch.randn(24, 8)] for _ in range(3)]
+
+    def run(first, then) -> torch.Tensor:
+        p = [torch.nn.Parameter(w.clone()) for w in ws]
+        a = first(p, lr=0.02, weight_decay=0.01, momentum=0.9)
+        for step_grads in grads[:2]:
+            p[0].grad = step_grads[0].clone()
+            a.step()
+        b = then(p, lr=0.02, weight_decay=0.01, momentum=0.9)
+        b.load_state_dict(copy.deepcopy(a.state_dict()))
+        p[0].grad = grads[2][0].clone()
+        b.step()
+        return p[0].detach()
+
+    want = run(muon.CompactMuon, muon.CompactMuon)
+    torch.testing.assert_close(run(muon.CompactMuon, torch.optim.Muon), want, rtol=0, atol=0)
+    torch.testing.assert_close(run(torch.optim.Muon, muon.CompactMuon), want, rtol=0, atol=0)
 
 
 def test_trainer_muon_accumulation_equals_one_big_batch(small_corpus, tmp_path):

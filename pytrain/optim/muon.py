@@ -1,13 +1,14 @@
 """Muon for the blocks' weight matrices, AdamW for everything else, as one optimizer.
 
 Muon (Keller Jordan, 2024) replaces each 2-D weight's update by the orthogonalised
-momentum (a few Newton-Schulz iterations in bf16), so every direction of the matrix moves
+momentum (a few Newton-Schulz iterations in bf16; in fp32 on a CPU), so every direction of the matrix moves
 at the same rate. It is meant for hidden matrices: the embedding, the output layer, norms
 and biases keep AdamW (its authors' advice, and what modded-nanogpt does).
 
-`torch.optim.Muon` is used where the installed torch has it (2.9 and later); otherwise
-`CompactMuon` below does the same update with the same constants, so a run gives the same
-numbers on either (tests/test_muon.py compares them).
+`torch.optim.Muon` is used on a GPU where the installed torch has it (2.9 and later);
+otherwise `CompactMuon` below does the same update with the same constants, so a run gives
+the same numbers on either (tests/test_muon.py compares them). On a CPU, CompactMuon runs
+the iteration in fp32, which every CPU multiplies natively.
 
 Learning rates: the Muon group runs at `optim.muon_lr` (scaled per matrix by
 sqrt(max(1, rows/cols)), the original rule), the AdamW groups at `optim.lr`; the schedule
@@ -32,12 +33,15 @@ NS_STEPS = 5
 EPS = 1e-7
 
 
-def newton_schulz(g: torch.Tensor, steps: int = NS_STEPS, eps: float = EPS) -> torch.Tensor:
+def newton_schulz(
+    g: torch.Tensor, steps: int = NS_STEPS, eps: float = EPS, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
     """An approximately orthogonal matrix with g's singular vectors (singular values pushed
-    into roughly [0.7, 1.2]): the quintic iteration, in bf16, on the wide orientation
-    so the Gram matrix is the smaller one. Same operations as torch.optim.Muon."""
+    into roughly [0.7, 1.2]): the quintic iteration, in `dtype` (torch.optim.Muon's bf16),
+    on the wide orientation so the Gram matrix is the smaller one. Same operations as
+    torch.optim.Muon."""
     a, b, c = NS_COEFFICIENTS
-    x = g.to(dtype=torch.bfloat16, copy=True)
+    x = g.to(dtype=dtype, copy=True)
     tall = g.size(0) > g.size(1)
     if tall:
         x = x.T
@@ -50,12 +54,20 @@ def newton_schulz(g: torch.Tensor, steps: int = NS_STEPS, eps: float = EPS) -> t
 
 
 class CompactMuon(torch.optim.Optimizer):
-    """Muon where torch has none: momentum (lerp form), Nesterov, Newton-Schulz, decoupled
-    weight decay, lr scaled by sqrt(max(1, rows/cols)); the update of torch.optim.Muon."""
+    """Muon where torch has none, or on a CPU: momentum (lerp form), Nesterov, Newton-Schulz
+    in `ns_dtype`, decoupled weight decay, lr scaled by sqrt(max(1, rows/cols)); the update
+    of torch.optim.Muon (in bf16), whose group settings it keeps too, so that either loads
+    the other's state."""
 
-    def __init__(self, params, lr: float, weight_decay: float, momentum: float = 0.95):
-        defaults = {"lr": lr, "weight_decay": weight_decay, "momentum": momentum, "nesterov": True}
+    def __init__(
+        self, params, lr: float, weight_decay: float, momentum: float = 0.95,
+        ns_dtype: torch.dtype = torch.bfloat16,
+    ):  # fmt: skip
+        defaults = {"lr": lr, "weight_decay": weight_decay, "momentum": momentum, "nesterov": True,
+                    "ns_coefficients": NS_COEFFICIENTS, "eps": EPS, "ns_steps": NS_STEPS,
+                    "adjust_lr_fn": None}  # fmt: skip
         super().__init__(params, defaults)
+        self.ns_dtype = ns_dtype
         for group in self.param_groups:
             for p in group["params"]:
                 if p.ndim != 2:
@@ -76,7 +88,7 @@ class CompactMuon(torch.optim.Optimizer):
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - mu)
                 update = p.grad.lerp(buf, mu) if group["nesterov"] else buf
-                update = newton_schulz(update)
+                update = newton_schulz(update, dtype=self.ns_dtype)
                 p.mul_(1 - lr * wd)
                 p.add_(update, alpha=-lr * math.sqrt(max(1.0, p.size(0) / p.size(1))))
         return None
@@ -115,12 +127,19 @@ class MuonAdamW:
         muon_params, decay, no_decay = split_parameters(model)
         if not muon_params:
             raise ConfigError("optim.name=muon: the model has no 2-D weights in blocks.* for Muon")
-        self.muon = muon_class()(
-            [{"params": muon_params, "lr_ratio": o.muon_lr / o.lr}],
-            lr=o.muon_lr,
-            weight_decay=o.muon_weight_decay,
-            momentum=o.muon_momentum,
-        )
+        groups = [{"params": muon_params, "lr_ratio": o.muon_lr / o.lr}]
+        kw: dict = {
+            "lr": o.muon_lr,
+            "weight_decay": o.muon_weight_decay,
+            "momentum": o.muon_momentum,
+        }
+        if device.type == "cpu":
+            # Newton-Schulz in fp32: a CPU without bf16 matrix units (AVX512-BF16, AMX)
+            # emulates bf16 matmuls, and Muon's step took 7.2x AdamW's there, 1.1x in fp32;
+            # with them, fp32 costs what bf16 does (BENCHMARKS.md, "Muon on a CPU").
+            self.muon: torch.optim.Optimizer = CompactMuon(groups, ns_dtype=torch.float32, **kw)
+        else:
+            self.muon = muon_class()(groups, **kw)
         self.adamw = torch.optim.AdamW(
             [
                 {"params": decay, "weight_decay": o.weight_decay, "lr_ratio": 1.0},
