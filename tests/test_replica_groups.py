@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PORTS, learnable_docs, losses_by_step, write_synthetic
+from conftest import PORTS, SLURM, learnable_docs, losses_by_step, slurm_job_state, write_synthetic
 from filelock import FileLock
 from test_run_safety import children
 
@@ -389,6 +389,55 @@ def test_a_group_killed_twice_heals_from_a_peer_and_every_row_is_trained_once(
     print(f"torchft's DistributedSampler in this run: {repeated} rows repeated, {never} of "
           f"{STEPS * ROWS} never trained; the ledger: none repeated, none left out")  # fmt: skip
     assert repeated > 0 and never > 0
+
+
+@pytest.mark.slow
+@SLURM
+def test_under_slurm_a_killed_group_heals_and_every_row_is_trained_once(
+    ft_data, tmp_path, reference
+):
+    """examples/slurm/replica_groups.sbatch submitted to a real Slurm: one node, three tasks
+    (the groups, one CPU rank each; srun starts their torchrun jobs) and the Lighthouse as a
+    step of its own. Group 2's rank is SIGKILLed; its torchrun restarts it, it heals from a
+    peer, and the job completes with every row trained once."""
+    env = {**ENV, "CONFIG": str(ROOT / "configs/cpu-default.toml"), "NAME": "ft",
+           "GPUS_PER_NODE": "1", "MIN_REPLICAS": "2", "RESTARTS": "1", "LH_PORT": str(next(PORTS)),
+           "TRAIN": f"{WORKER} 1.0", "PATH": f"{Path(sys.executable).parent}:{ENV['PATH']}"}  # fmt: skip
+    flags = _flags(ft_data, tmp_path / "runs", "--optim.grad_accum", "1", "--ft.timeout_s", "10",
+                   "--ft.quorum_timeout_s", "60")  # fmt: skip
+    out = tmp_path / "slurm.out"
+    r = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks=3",
+                        "--gpus-per-node=0", "--cpus-per-task=1", "--overcommit", "--time=10",
+                        f"--output={out}", str(ROOT / "examples/slurm/replica_groups.sbatch"), *flags],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    job = r.stdout.strip()
+    text = lambda: out.read_text(errors="replace")[-3000:] if out.exists() else slurm_job_state(job)  # noqa: E731
+    try:
+        t0 = time.monotonic()
+        while not any(x["step"] >= 5 for x in ledger(tmp_path, 2)):
+            assert time.monotonic() - t0 < 240 and slurm_job_state(job) in ("PENDING", "RUNNING"), (
+                text()
+            )
+            time.sleep(0.2)
+        victim, killed = ledger(tmp_path, 2)[-1]["pid"], time.time()
+        os.kill(victim, signal.SIGKILL)
+        while slurm_job_state(job) not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "GONE"):
+            assert time.monotonic() - t0 < 400, text()
+            time.sleep(1)
+    finally:
+        subprocess.run(["scancel", job], timeout=30)
+    assert slurm_job_state(job) in ("COMPLETED", "GONE"), text()
+    healed = _heal(tmp_path, victim, killed)
+    assert healed is not None and "healed from a peer at step" in out.read_text(), text()
+    assert "error" not in out.read_text().split("done: 90 steps")[-1], text()  # a quiet end
+    assert (tmp_path / f"lighthouse-{job}.log").exists()
+    print(f"under Slurm: killed at step 5+, healed at step {healed['step']}, "
+          f"{healed['time'] - killed:.1f}s from the kill to its first committed step")  # fmt: skip
+    by_step = assert_every_row_once(tmp_path, ft_data)
+    assert {lines[0]["groups"] for lines in by_step.values()} >= {2, 3}
+    assert_same_state(tmp_path, range(GROUPS))
+    assert_losses_follow(tmp_path, reference())
 
 
 def _committed_after(tmp_path: Path, k: int, when: float) -> bool:
