@@ -2,6 +2,9 @@
 quorum and commit cost a step, and how long a killed group takes to train again.
 
     PYTHONPATH=$PWD python benchmarks/replica_groups.py [--groups 2] [--steps 300] [--work DIR]
+    # one GPU, one group (no ft-kill row: there is no peer to heal from), a preset's model:
+    PYTHONPATH=$PWD python benchmarks/replica_groups.py --groups 1 --kill-at 0 --steps 100 \
+        --flags "--config configs/gpt2-124m.toml --optim.grad_accum 1"
 
 On the embedded default dataset (built once), a small GPT at one global batch, rows:
   plain    one torchrun job of GROUPS gloo ranks (DDP), no torchft
@@ -14,7 +17,9 @@ On the embedded default dataset (built once), a small GPT at one global batch, r
 For plain and ft: the median step time after the first 20 steps (train.log's step_ms); for
 ft, the medians of what torchft's part took a step (group 0's ledger): the quorum, and the
 all-reduce of the gradients with the commit vote (the all-reduce is what plain does too).
-One core a rank is what the figures assume: on fewer, the ranks share them."""
+One core a rank is what the figures assume: on fewer, the ranks share them. --flags go to
+every run last (a preset, a device): on a GPU host each rank has a GPU, and torchft's
+all-reduce between groups is ProcessGroupBabyNCCL's."""
 
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import signal
 import statistics
 import subprocess
@@ -37,7 +43,7 @@ PY = sys.executable
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "RUST_LOG": "warn"}
 
 
-def train_flags(work: Path, name: str, steps: int) -> list[str]:
+def train_flags(work: Path, name: str, steps: int, extra: list[str]) -> list[str]:
     from pytrain.data.corpus import build_default
 
     train, _ = build_default()
@@ -45,7 +51,8 @@ def train_flags(work: Path, name: str, steps: int) -> list[str]:
             "--model.n_layer", "4", "--model.n_head", "4", "--model.d_model", "128",
             "--data.seq_len", "128", "--data.batch_size", "4", "--optim.grad_accum", "1",
             "--max_steps", str(steps), "--eval_every", "0", "--ckpt_every", "0", "--samples", "0",
-            "--log_every", "1", "--no-tensorboard", "--no-progress", "--no-compile.safe_env"]  # fmt: skip
+            "--log_every", "1", "--no-tensorboard", "--no-progress", "--no-compile.safe_env",
+            *extra]  # fmt: skip
 
 
 def torchrun(ranks: int, port: int, restarts: int = 0) -> list[str]:
@@ -66,7 +73,7 @@ def ft_run(args, name: str, kill_at: int = 0) -> tuple[Path, dict]:
     procs, logs = [], []
     for k in range(args.groups):
         cmd = [*torchrun(1, port + 1 + k, restarts=int(bool(kill_at) and k == last)),
-               *train_flags(args.work, name, args.steps), "--ft.lighthouse",
+               *train_flags(args.work, name, args.steps, args.flags), "--ft.lighthouse",
                f"http://localhost:{port}", "--ft.group", str(k), "--ft.groups", str(args.groups),
                "--ft.min_replicas", "1"]  # fmt: skip
         logs.append(open(args.work / f"{name}-group{k}.out", "w"))  # noqa: SIM115
@@ -120,16 +127,21 @@ def main() -> int:
     p.add_argument("--kill-at", type=int, default=100)
     p.add_argument("--port", type=int, default=29710)
     p.add_argument("--work", type=Path, default=Path("/tmp/pytrain-replica-groups"))
+    p.add_argument("--flags", default="", help="trainer flags every run adds last")
     args = p.parse_args()
+    args.flags = shlex.split(args.flags)
     args.work.mkdir(parents=True, exist_ok=True)
     print(harness.machine_line())
     plain = args.work / "plain"
-    cmd = [*torchrun(args.groups, args.port + 50), *train_flags(args.work, "plain", args.steps)]
+    cmd = [
+        *torchrun(args.groups, args.port + 50),
+        *train_flags(args.work, "plain", args.steps, args.flags),
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, env=ENV)
     if r.returncode != 0:
         raise SystemExit(f"plain: {harness.failure_line(r.stdout + r.stderr)}")
     ft, _ = ft_run(args, "ft")
-    _, kill = ft_run(args, "ft-kill", kill_at=args.kill_at)
+    kill = ft_run(args, "ft-kill", kill_at=args.kill_at)[1] if args.kill_at else None
     base = harness.median_steady(harness.read_steps(plain / "train.log"), "step_ms", 20) or 0.0
     with_ft = (
         harness.median_steady(harness.read_steps(ft / "group0" / "train.log"), "step_ms", 20) or 0.0
@@ -137,10 +149,13 @@ def main() -> int:
     lines = [x for x in ledger(ft / "group0") if x["step"] >= 20]
     quorum = statistics.median(x["quorum_ms"] for x in lines)
     sync = statistics.median(x["sync_ms"] for x in lines)
-    rows = [["plain", f"{base:.1f}", "", "", ""],
-            ["ft", f"{with_ft:.1f} ({with_ft - base:+.1f})", f"{quorum:.2f}", f"{sync:.2f}", ""],
-            ["ft-kill", "", "", "", f"{kill['recovery_s']:.1f} (heal {kill['heal_s']} s; "
-             f"rejoined at step {kill['rejoined_at']})"]]  # fmt: skip
+    rows = [
+        ["plain", f"{base:.1f}", "", "", ""],
+        ["ft", f"{with_ft:.1f} ({with_ft - base:+.1f})", f"{quorum:.2f}", f"{sync:.2f}", ""],
+    ]
+    if kill:
+        rows.append(["ft-kill", "", "", "", f"{kill['recovery_s']:.1f} (heal {kill['heal_s']} s; "
+                     f"rejoined at step {kill['rejoined_at']})"])  # fmt: skip
     headers = [f"{args.groups} groups", "step ms (median)", "quorum ms", "all-reduce + vote ms",
                "kill -> committed, s"]  # fmt: skip
     print(harness.markdown_table(headers, rows))
