@@ -141,3 +141,62 @@ def test_a_tracker_that_does_not_import_is_one_line_before_any_data(tmp_path, fl
     lines = [line for line in r.stderr.splitlines() if "error" in line]
     assert len(lines) == 1, r.stderr
     assert f"--{flag} needs {flag}" in lines[0] and f"pip install 'pytrain[{flag}]'" in lines[0]
+
+
+@pytest.mark.slow  # a process, importing torch
+def test_a_tracker_that_cannot_start_its_run_is_one_line(tmp_path, small_corpus):
+    """MLflow pointed at a server that is not there: the run ends in one line naming it."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port}",
+           "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}  # fmt: skip
+    cmd = [sys.executable, "-m", "pytrain.train", "--mlflow", "--data.path", str(small_corpus[0]),
+           "--out_dir", str(tmp_path / "runs"), "--device", "cpu", "--no-progress"]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    lines = [line for line in r.stderr.splitlines() if "error" in line]
+    assert len(lines) == 1 and "--mlflow: MLflow could not start its run:" in lines[0], r.stderr
+
+
+def test_a_tracker_that_fails_mid_run_is_dropped_and_the_run_goes_on(tmp_path, capsys):
+    """Its server gone mid-run: one line (stderr and train.log), the other trackers and
+    TensorBoard's file go on."""
+    from pytrain.train import trackers
+    from pytrain.train.metrics import RunLog
+
+    class Gone:
+        name = "MLflow"
+
+        def scalars(self, step, values):
+            raise ConnectionError("API request to http://mlflow:5000 failed\nretries exhausted")
+
+        def close(self, status):
+            raise AssertionError("a dropped tracker is not closed")
+
+    class Kept:
+        name = "W&B"
+
+        def __init__(self):
+            self.got, self.status = [], None
+
+        def scalars(self, step, values):
+            self.got.append((step, dict(values)))
+
+        def close(self, status):
+            self.status = status
+
+    kept = Kept()
+    log = RunLog(tmp_path, True, False, [Gone(), kept])
+    log.scalars(7, {"train/loss": 2.5, "perf/mfu": None})
+    log.scalars(8, {"train/loss": 2.25})
+    log.close(trackers.FINISHED)
+    assert kept.got == [(7, {"train/loss": 2.5}), (8, {"train/loss": 2.25})]
+    assert kept.status == "FINISHED"
+    want = ("MLflow: logging failed at step 7 (API request to http://mlflow:5000 failed); "
+            "the run goes on without it")  # fmt: skip
+    assert capsys.readouterr().err.strip() == want
+    assert (tmp_path / "train.log").read_text().rstrip().endswith(want)

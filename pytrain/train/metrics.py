@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from pytrain.config import TrainConfig
+from pytrain.config.errors import first_line
 from pytrain.data.batch import FeedTime
 from pytrain.train import trackers
 from pytrain.train.trackers import Tracker
@@ -70,8 +71,17 @@ class RunLog:
         if self.tb is not None:
             for k, v in known.items():
                 self.tb.add_scalar(k, v, step)
-        for t in self.trackers:
-            t.scalars(step, known)
+        for t in list(self.trackers):
+            try:
+                t.scalars(step, known)
+            except Exception as e:  # its server or its disk: the run goes on without it
+                self._drop(t, f"logging failed at step {step}", e)
+
+    def _drop(self, tracker: Tracker, what: str, e: Exception) -> None:
+        self.trackers.remove(tracker)
+        line = f"{tracker.name}: {what} ({first_line(e)}); the run goes on without it"
+        print(line, file=sys.stderr, flush=True)
+        self.text(line)
 
     def text(self, line: str) -> None:
         if self.file is not None:
@@ -80,8 +90,11 @@ class RunLog:
 
     def close(self, status: str = trackers.FAILED) -> None:
         """`status`: how the run ended (trackers.FINISHED, KILLED, FAILED)."""
-        for t in self.trackers:
-            t.close(status)
+        for t in list(self.trackers):
+            try:
+                t.close(status)
+            except Exception as e:
+                self._drop(t, "closing its run failed", e)
         self.trackers = []
         if self.tb is not None:
             self.tb.close()

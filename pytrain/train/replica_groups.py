@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from pytrain.config import ConfigError, TrainConfig, derive_grad_accum
+from pytrain.config.errors import first_line
 from pytrain.train import distributed, peer_state, run_state, sources
 from pytrain.train.distributed import DistInfo
 from pytrain.train.guard import PendingStep
@@ -209,7 +210,7 @@ class ReplicaGroupTrainer(Trainer):
             )  # fmt: skip
         except Exception as e:  # the Lighthouse is not there: torchft's RPC error
             raise NoQuorum(
-                f"no Lighthouse at ft.lighthouse {ft.lighthouse}: {_first_line(e)}"
+                f"no Lighthouse at ft.lighthouse {ft.lighthouse}: {first_line(e)}"
             ) from None
         # A group that resumed from its checkpoint starts its torchft step there.
         manager.load_state_dict({"step": self.step, "batches_committed": self.step * ft.groups})
@@ -252,7 +253,7 @@ class ReplicaGroupTrainer(Trainer):
         raise NoQuorum(
             f"no quorum of ft.min_replicas {ft.min_replicas} replica group(s) at the Lighthouse "
             f"{ft.lighthouse} within ft.quorum_timeout_s {ft.quorum_timeout_s:g} (too few groups, "
-            f"or the Lighthouse down: {_first_line(e)}); group {ft.group} stopped at step "
+            f"or the Lighthouse down: {first_line(e)}); group {ft.group} stopped at step "
             f"{self.step}, checkpoint in {self.run_dir}: run the same command to resume"
         )
 
@@ -333,8 +334,3 @@ class ReplicaGroupTrainer(Trainer):
             self.ledger.close()
         self.manager.shutdown(wait=False)
         super().close(status)
-
-
-def _first_line(e: BaseException) -> str:
-    """The first line of torchft's error (its messages carry a traceback after it)."""
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]

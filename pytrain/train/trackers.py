@@ -15,7 +15,9 @@ Where each logs is each tool's own setting, as other trainers read it:
 
 A resumed run goes on in the same tracked run: the ids are kept in the run directory
 (trackers.json). The run's end says how it ended: finished, stopped by a signal (W&B: a
-nonzero exit; MLflow: KILLED), failed."""
+nonzero exit; MLflow: KILLED), failed. A tracker that cannot start its run (no server, no
+key) ends the run in one line; one that fails later (its server gone) is dropped with a line
+on stderr and in train.log, and the run goes on."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import Protocol
 
 from pytrain.config import ConfigError, TrainConfig, to_dict
+from pytrain.config.errors import first_line
 
 # A run's end, in MLflow's words (RunStatus), which W&B's exit code follows (0: finished).
 FINISHED, KILLED, FAILED = "FINISHED", "KILLED", "FAILED"
@@ -35,6 +38,8 @@ IDS = "trackers.json"
 
 
 class Tracker(Protocol):
+    name: str  # as the lines about it say it
+
     def scalars(self, step: int, values: Mapping[str, float]) -> None: ...
     def close(self, status: str) -> None: ...
 
@@ -65,10 +70,17 @@ def open_trackers(cfg: TrainConfig, run_dir: Path, enabled: bool, resumed: bool)
     path = run_dir / IDS
     ids = json.loads(path.read_text()) if resumed and path.exists() else {}
     out: list[Tracker] = []
-    if cfg.wandb:
-        out.append(WandbTracker(cfg, run_dir, ids))
-    if cfg.mlflow:
-        out.append(MlflowTracker(cfg, ids))
+    for flag, make in (("wandb", WandbTracker), ("mlflow", MlflowTracker)):
+        if not getattr(cfg, flag):
+            continue
+        try:
+            out.append(make(cfg, run_dir, ids))
+        except Exception as e:  # its server, its key, its store: said in one line
+            for t in out:
+                t.close(FAILED)
+            raise ConfigError(
+                f"--{flag}: {make.name} could not start its run: {first_line(e)}"
+            ) from None
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(ids) + "\n")
     tmp.replace(path)
@@ -76,6 +88,8 @@ def open_trackers(cfg: TrainConfig, run_dir: Path, enabled: bool, resumed: bool)
 
 
 class WandbTracker:
+    name = "W&B"
+
     def __init__(self, cfg: TrainConfig, run_dir: Path, ids: dict) -> None:
         wandb = _import("wandb", "wandb")
         self.run = wandb.init(
@@ -110,7 +124,9 @@ def flat_params(cfg: TrainConfig) -> dict[str, str]:
 
 
 class MlflowTracker:
-    def __init__(self, cfg: TrainConfig, ids: dict) -> None:
+    name = "MLflow"
+
+    def __init__(self, cfg: TrainConfig, run_dir: Path, ids: dict) -> None:
         mlflow = _import("mlflow", "mlflow")
         from mlflow.entities import Param
 
