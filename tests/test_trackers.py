@@ -122,17 +122,16 @@ def test_a_fresh_run_in_a_used_directory_is_a_new_tracked_run(tmp_path, monkeypa
     assert not any((tmp_path / "cwd").iterdir())
 
 
-@pytest.mark.slow  # a process each, importing torch
-@pytest.mark.parametrize("flag", ["wandb", "mlflow"])
-def test_a_tracker_that_does_not_import_is_one_line_before_any_data(tmp_path, flag):
+@pytest.mark.slow  # a process, importing torch
+def test_a_tracker_that_does_not_import_is_one_line_before_any_data(tmp_path):
     """The package shadowed by one that fails to import, as a missing one does."""
-    shadow = tmp_path / "shadow" / flag
+    shadow = tmp_path / "shadow" / "wandb"
     shadow.mkdir(parents=True)
-    (shadow / "__init__.py").write_text(f"raise ImportError(\"No module named '{flag}'\")\n")
+    (shadow / "__init__.py").write_text("raise ImportError(\"No module named 'wandb'\")\n")
     env = {**os.environ, "PYTHONPATH": f"{shadow.parent}{os.pathsep}{ROOT}",
            "PYTRAIN_CACHE": str(tmp_path / "cache")}  # fmt: skip
     r = subprocess.run(
-        [sys.executable, "-m", "pytrain.train", f"--{flag}", "--out_dir", str(tmp_path / "runs")],
+        [sys.executable, "-m", "pytrain.train", "--wandb", "--out_dir", str(tmp_path / "runs")],
         capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip
     assert r.returncode == 2, r.stderr
@@ -140,26 +139,41 @@ def test_a_tracker_that_does_not_import_is_one_line_before_any_data(tmp_path, fl
     assert not (tmp_path / "cache").exists()  # no embedded default built before the line
     lines = [line for line in r.stderr.splitlines() if "error" in line]
     assert len(lines) == 1, r.stderr
-    assert f"--{flag} needs {flag}" in lines[0] and f"pip install 'pytrain[{flag}]'" in lines[0]
+    assert "--wandb needs wandb" in lines[0] and "pip install 'pytrain[wandb]'" in lines[0]
 
 
-@pytest.mark.slow  # a process, importing torch
-def test_a_tracker_that_cannot_start_its_run_is_one_line(tmp_path, small_corpus):
-    """MLflow pointed at a server that is not there: the run ends in one line naming it."""
+def test_mlflow_that_does_not_import_is_named_with_its_extra(monkeypatch):
+    from pytrain.config import ConfigError, parse_args
+    from pytrain.train import trackers
+
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # what a missing package raises
+    with pytest.raises(
+        ConfigError, match=r"--mlflow needs mlflow.*pip install 'pytrain\[mlflow\]'"
+    ):
+        trackers.check_installed(parse_args(["--mlflow"]))
+    trackers.check_installed(parse_args(["--no-mlflow"]))  # not asked for: not imported
+
+
+def test_a_tracker_that_cannot_start_its_run_is_one_line(tmp_path, monkeypatch):
+    """MLflow pointed at a server that is not there: the ConfigError of one line (which the
+    command line prints as it is) names it; W&B, started first, is closed as failed."""
     import socket
+
+    from pytrain.config import ConfigError, parse_args
+    from pytrain.train import trackers
 
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port}",
-           "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}  # fmt: skip
-    cmd = [sys.executable, "-m", "pytrain.train", "--mlflow", "--data.path", str(small_corpus[0]),
-           "--out_dir", str(tmp_path / "runs"), "--device", "cpu", "--no-progress"]  # fmt: skip
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert "Traceback" not in r.stderr
-    lines = [line for line in r.stderr.splitlines() if "error" in line]
-    assert len(lines) == 1 and "--mlflow: MLflow could not start its run:" in lines[0], r.stderr
+    for k, v in {"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port}", "WANDB_MODE": "offline",
+                 "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "WANDB_SILENT": "true"}.items():  # fmt: skip
+        monkeypatch.setenv(k, v)
+    cfg = parse_args(["--wandb", "--mlflow", "--out_dir", str(tmp_path)])
+    with pytest.raises(ConfigError) as e:
+        trackers.open_trackers(cfg, tmp_path / "run", enabled=True, resumed=False)
+    assert str(e.value).startswith("--mlflow: MLflow could not start its run: API request to ")
+    assert "\n" not in str(e.value) and f"127.0.0.1:{port}" in str(e.value)
+    assert not (tmp_path / "run" / trackers.IDS).exists()
 
 
 def test_a_tracker_that_fails_mid_run_is_dropped_and_the_run_goes_on(tmp_path, capsys):
