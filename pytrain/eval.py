@@ -5,7 +5,10 @@ the first N batches in stored order, the numbers the trainer logs for the same d
 Without --data: the validation sets the run itself evaluated on, with its eval_batches.
 
 Bits per byte = loss / ln 2 x (the dataset's tokens / the text bytes pack-shards read),
-so models with different tokenizers compare on the same text."""
+so models with different tokenizers compare on the same text.
+
+`--tasks FILE_OR_FOLDER...`: downstream tasks instead (pytrain.tasks, docs/DOWNSTREAM.md):
+acc, acc_norm and acc_bytes of each, and their CORE-style mean; with --data as well, both."""
 
 from __future__ import annotations
 
@@ -76,6 +79,40 @@ def evaluate(model: str, data: list[str] | None, batches: int | None, device: st
     return out
 
 
+def prefix_token(m) -> int | None:
+    """The token an empty context is, as lm-evaluation-harness takes it: the tokenizer's
+    begin-of-text token where it has one (an export's config.json, a run's dataset
+    manifest), else its end-of-text token."""
+    from pytrain.data.shards import read_manifest
+    from pytrain.model.load import dataset_of
+
+    if m.config is None:  # a Hugging Face directory
+        bos = json.loads((m.source / "config.json").read_text()).get("bos_token_id")
+    else:
+        data = dataset_of(m.config["data"])
+        bos = read_manifest(data).get("tokenizer", {}).get("bos_id") if data is not None else None
+    return bos if bos is not None else m.eos_id
+
+
+def score_tasks(model: str, tasks: list[str], device: str = "cpu", limit: int = 0,
+                batch_rows: int = 8):  # fmt: skip
+    """The downstream tasks `tasks` names (files or folders), scored with `model`: a
+    pytrain.tasks.suite.Results."""
+    import torch
+
+    from pytrain.model.load import load
+    from pytrain.tasks.items import read_tasks
+    from pytrain.tasks.suite import TaskSuite
+
+    read = read_tasks(tasks)  # before the model: a bad file is said at once
+    m = load(model, device)
+    suite = TaskSuite.for_model(read, m.tokenizer, prefix_token(m), m.gpt.cfg.max_seq_len, limit)
+    dtype = torch.bfloat16 if device != "cpu" and torch.cuda.is_bf16_supported() else None
+    kind = torch.device(device).type
+    return suite.score(m.gpt, torch.device(device), batch_rows=batch_rows,
+                       autocast=lambda: torch.autocast(kind, dtype=dtype, enabled=dtype is not None))  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pytrain.eval", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -92,13 +129,29 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="batches per set (default: the run's eval_batches, else 20)",
     )
-    p.add_argument("--device", default="auto")
+    p.add_argument(
+        "--tasks",
+        nargs="+",
+        default=None,
+        help="downstream task files (.jsonl, .parquet) or folders of them: their accuracies "
+        "instead of the loss (with --data too: both)",
+    )
+    p.add_argument(
+        "--limit", type=int, default=0, help="--tasks: the first N items of each task (0: all)"
+    )
+    p.add_argument(
+        "--batch_rows", type=int, default=8, help="--tasks: rows of the model's window a forward"
+    )
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     args = p.parse_args(argv)
     from pytrain.config import missing_model
 
     if missing := missing_model(args.model):  # at once: torch takes seconds to load
         print(f"pytrain.eval: error: {missing}", file=sys.stderr)
+        return 2
+    if args.limit < 0 or args.batch_rows < 1:
+        print("pytrain.eval: error: --limit is 0 or more, --batch_rows 1 or more", file=sys.stderr)
         return 2
     import torch
 
@@ -109,15 +162,26 @@ def main(argv: list[str] | None = None) -> int:
         args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     )
     try:
-        r = evaluate(args.model, args.data, args.batches, device)
+        tasks = (score_tasks(args.model, args.tasks, device, args.limit, args.batch_rows)
+                 if args.tasks else None)  # fmt: skip
+        r = (
+            evaluate(args.model, args.data, args.batches, device)
+            if args.data or not tasks
+            else None
+        )
     except (ConfigError, LoaderError) as e:
         print(f"pytrain.eval: error: {e}", file=sys.stderr)
         return 2
+    if args.json:
+        both = {"tasks": tasks.to_json(), **({"loss": r} if r else {})} if tasks else r
+        print(json.dumps(both, indent=2))
+        return 0
+    if tasks:
+        print("\n".join(tasks.lines()))
+    if r is None:
+        return 0
     for note in r["notes"]:
         print(note, file=sys.stderr)
-    if args.json:
-        print(json.dumps(r, indent=2))
-        return 0
     for name, s in r["sets"].items():
         bpb = f"  bits/byte {s['bits_per_byte']:.4f}" if "bits_per_byte" in s else ""
         print(
