@@ -9,7 +9,7 @@ can set environment guards before torch is first imported.
 
     errors    ConfigError: a setting the user gave is wrong (one line, no traceback)
     data      LoaderConfig, DataConfig (the [data] section), dataset locations
-    sections  TrainConfig and its [optim], [compile], [ft] sections ([model]: pytrain.model.config)
+    sections  TrainConfig and its [optim], [compile], [ft], [eval] sections ([model]: pytrain.model.config)
     keys      the settings by dotted key ('optim.lr'): flattened, read and set
     presets   apply_toml: a TOML preset onto a TrainConfig
     flags     the command line: build_parser, parse_args, boolean words
@@ -51,7 +51,14 @@ from pytrain.config.flags import (
     parse_bool,
 )
 from pytrain.config.presets import apply_toml
-from pytrain.config.sections import CompileConfig, FtConfig, OptimConfig, TrainConfig, to_dict
+from pytrain.config.sections import (
+    CompileConfig,
+    EvalConfig,
+    FtConfig,
+    OptimConfig,
+    TrainConfig,
+    to_dict,
+)
 
 __all__ = [
     "ALIASES",
@@ -66,6 +73,7 @@ __all__ = [
     "CompileConfig",
     "ConfigError",
     "DataConfig",
+    "EvalConfig",
     "FtConfig",
     "LoaderConfig",
     "OptimConfig",

@@ -49,6 +49,8 @@ BOUNDS = {
     "ft.group": (0, None),
     "ft.groups": (1, None),
     "ft.min_replicas": (1, None),
+    "eval.tasks_every": (0, None),
+    "eval.tasks_limit": (0, None),
 }
 """Numbers with a range (inclusive; None: open), checked where the command line is read.
 Positive-only ones (learning rates, betas below 1) are checked in check_choices."""
@@ -137,6 +139,10 @@ def check_choices(cfg: TrainConfig) -> None:
         raise ConfigError(str(e)) from None
     check_expert_parallel(cfg)
     check_replica_groups(cfg)
+    if cfg.eval.tasks:  # every file read: a bad line is said before anything is built
+        from pytrain.tasks.items import read_tasks
+
+        read_tasks(cfg.eval.tasks)
 
 
 def check_replica_groups(cfg: TrainConfig) -> None:

@@ -13,7 +13,7 @@ from pytrain.config.checks import check_choices
 from pytrain.config.data import DataConfig
 from pytrain.config.keys import base_type, flatten, set_key
 from pytrain.config.presets import apply_toml
-from pytrain.config.sections import CompileConfig, FtConfig, OptimConfig, TrainConfig
+from pytrain.config.sections import CompileConfig, EvalConfig, FtConfig, OptimConfig, TrainConfig
 from pytrain.model.config import ModelConfig
 
 TRUE_WORDS = {"1", "true", "yes", "on"}
@@ -75,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--config", type=Path, default=None, help="TOML preset (configs/*.toml); flags override it"
     )
     docs: dict[str, str] = {}
-    for section in (TrainConfig, DataConfig, OptimConfig, CompileConfig, FtConfig, ModelConfig):
+    for section in (TrainConfig, DataConfig, OptimConfig, CompileConfig, FtConfig, EvalConfig,
+                    ModelConfig):  # fmt: skip
         prefix = "" if section is TrainConfig else f"{section.__name__[:-6].lower()}."
         docs |= {prefix + k: v for k, v in _field_docs(section).items()}
     for key, _, t in flatten(TrainConfig):

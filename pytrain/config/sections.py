@@ -1,6 +1,6 @@
 """TrainConfig, the run's settings, with its sections: [optim] (OptimConfig), [compile]
-(CompileConfig), [ft] (FtConfig), [data] (pytrain.config.data) and [model]
-(pytrain.model.config)."""
+(CompileConfig), [ft] (FtConfig), [eval] (EvalConfig), [data] (pytrain.config.data) and
+[model] (pytrain.model.config)."""
 
 from __future__ import annotations
 
@@ -105,6 +105,23 @@ class FtConfig:
     quorum_timeout_s: float = 120.0
     """How long a step waits for a quorum at the Lighthouse (too few groups, or the Lighthouse
     down and not yet back): then this group writes a checkpoint and stops with one line."""
+
+
+@dataclass
+class EvalConfig:
+    """Downstream tasks scored as the model trains (pytrain.train.downstream; the task
+    format: docs/DOWNSTREAM.md). The validation loss's own settings are eval_every and
+    eval_batches."""
+
+    tasks: list[str] = field(default_factory=list)
+    """Task files (.jsonl, .parquet) or folders of them: acc, acc_norm and acc_bytes of each
+    and their CORE-style mean, in train.log, TensorBoard, W&B, MLflow and the report. Empty:
+    none."""
+    tasks_every: int = 0
+    """Score the tasks every this many steps (and at the end); 0: at every evaluation
+    (eval_every) and at the end."""
+    tasks_limit: int = 0
+    """The first N items of each task (0: all), for a cheaper score at every evaluation."""
 
 
 @dataclass
@@ -218,6 +235,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     ft: FtConfig = field(default_factory=FtConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 def to_dict(cfg: TrainConfig) -> dict:

@@ -1,5 +1,6 @@
 """What the user sees at the end of a run: validation loss next to the unigram baseline,
-a few generated samples, and where logs and checkpoints went."""
+the downstream tasks' last scores, a few generated samples, and where logs and checkpoints
+went."""
 
 from __future__ import annotations
 
@@ -68,6 +69,8 @@ def final_report(trainer, result: dict, seconds: float) -> None:
             f"validation loss {val:.4f} nats/token vs unigram baseline {base:.4f}: {verdict} the baseline by {base - val:.3f}"
         )
         trainer.log.text(f"final val_loss {val:.4f} unigram_baseline {base:.4f}")
+    if (tasks := trainer.tasks.last) is not None:  # the downstream tasks' last scores
+        say("\n".join(tasks.lines()))
     for i, s in enumerate(samples(trainer, trainer.cfg.samples, trainer.cfg.sample_tokens)):
         say(f"--- sample {i + 1} ---\n{s}")
     stats = trainer.loader.stats()

@@ -24,6 +24,7 @@ from pytrain.train import (
     compile_policy,
     disk,
     distributed,
+    downstream,
     initial_weights,
     parallel,
     run_lock,
@@ -97,6 +98,7 @@ class Trainer:
         c = cfg.compile
         self.compiler.start(c.coordinate_descent, c.inductor, shapes * (2 if self.val_path else 1))
         self._build_logs()
+        self.tasks = downstream.TaskScores.of(self)  # --eval.tasks: read and tokenized once
 
     # ---- set-up -------------------------------------------------------------------------
     def _set_up_torch(self, seed: int) -> None:
@@ -273,9 +275,7 @@ class Trainer:
             ready = torch.cuda.Event()
             ready.record()
         routing = self.opt_step.routing
-        return PendingStep(
-            values, ready, loss_tokens, tokens, fallbacks, stop=stop, routing=routing
-        )
+        return PendingStep(values, ready, loss_tokens, tokens, fallbacks, stop, routing=routing)
 
     def settle(self, p: PendingStep) -> StepResult:
         """Reads a queued step's values (one transfer) and does the guard's bookkeeping;
@@ -404,6 +404,7 @@ class Trainer:
             if eval_due:
                 val = self.evaluate()
                 self.steplog.eval(self.step, val)
+            self.tasks.at(self.step, bool(eval_due))  # downstream tasks where due
             if ckpt_due:
                 run_state.save(self)
             if time_up:
@@ -418,6 +419,7 @@ class Trainer:
         if not self.stopped_by and not (cfg.eval_every and self.step % cfg.eval_every == 0):
             val = self.evaluate()
             self.steplog.eval(self.step, val)
+        self.tasks.at(self.step, False, end=not self.stopped_by)
         if not (cfg.ckpt_every and self.step % cfg.ckpt_every == 0):
             run_state.save(self)
         self.finish_checkpoints()  # the run's last checkpoint is on disk when fit returns

@@ -1,0 +1,72 @@
+"""Downstream tasks scored as the model trains (`--eval.tasks`, pytrain.tasks): at each
+evaluation step, or every `--eval.tasks_every` steps, and at the run's end. The tasks are
+read and tokenized once, with the training dataset's tokenizer, and scored with the model's
+own weights in evaluation mode (the forward of GPT.hidden, in the run's precision). Under
+torchrun each rank scores its share of the packed rows and one all-reduce gathers them.
+Results go where the validation loss goes: train.log, TensorBoard, W&B and MLflow
+(`tasks/NAME/acc`, `tasks/core`), and the end's report."""
+
+from __future__ import annotations
+
+from pytrain.config import ConfigError
+from pytrain.tasks.items import read_tasks
+from pytrain.tasks.suite import Results, TaskSuite
+from pytrain.train import distributed
+
+
+class TaskScores:
+    """What the loop calls at each step: scores the tasks where they are due."""
+
+    def __init__(self, trainer, suite: TaskSuite | None):
+        self.trainer, self.suite = trainer, suite
+        self.every = trainer.cfg.eval.tasks_every
+        self.last: Results | None = None
+        self.scored_at = -1
+
+    @classmethod
+    def of(cls, trainer) -> TaskScores:
+        """The run's tasks (none without --eval.tasks): read and tokenized here, so that a
+        bad file or a dataset without a tokenizer ends the run before its first step."""
+        e = trainer.cfg.eval
+        if not e.tasks:
+            return cls(trainer, None)
+        if trainer.sharded:
+            raise ConfigError(
+                "--eval.tasks scores with whole weights: not under FSDP2 yet (score a "
+                "checkpoint with python -m pytrain.eval RUN --tasks ..., or train with --no-fsdp)"
+            )
+        from pytrain import _loader
+
+        tokenizer = _loader.read_file(str(trainer.train_path), "tokenizer.json")
+        if tokenizer is None:
+            raise ConfigError(
+                f"--eval.tasks needs the training dataset's tokenizer.json ({trainer.train_path} "
+                "has none: packed with the byte tokenizer, or imported ids)"
+            )
+        from pytrain.data.shards import read_manifest
+
+        # An empty context's token, as lm-evaluation-harness takes it: BOS, else EOS.
+        bos = read_manifest(trainer.train_path).get("tokenizer", {}).get("bos_id")
+        prefix = bos if bos is not None else trainer.loader.dataset.eos_id
+        suite = TaskSuite.for_model(read_tasks(e.tasks), tokenizer, prefix,
+                                    trainer.gpt.cfg.max_seq_len, e.tasks_limit)  # fmt: skip
+        return cls(trainer, suite)
+
+    def at(self, step: int, eval_due: bool, end: bool = False) -> Results | None:
+        """Scores the tasks at `step` where they are due: at the run's `end`, at a multiple
+        of tasks_every, or, where that is 0, at an evaluation step; once a step."""
+        due = end or (step % self.every == 0 if self.every else eval_due)
+        if self.suite is None or not due or step == self.scored_at:
+            return None
+        t = self.trainer
+        r = self.suite.score(
+            t.gpt, t.device, batch_rows=t.cfg.data.batch_size,
+            autocast=lambda: t.precision.autocast(t.device), share=(t.dist.rank, t.dist.world_size),
+            all_sum=lambda x: distributed.all_sum_tensor(x, t.dist),
+        )  # fmt: skip
+        self.last, self.scored_at = r, step
+        t.log.scalars(step, r.scalars())
+        for line in r.lines():
+            t.log.text(f"step {step} {line.strip()}")
+        t.say(f"step {step}: " + "  ".join([r.lines()[0], *(x.line() for x in r.tasks)]))
+        return r
