@@ -6,6 +6,7 @@
     pack-shards inspect DATASET [--plot lengths.png]
     pack-shards INPUT... -o OUT --task I --tasks N   (one of N tasks, on any machine)
     pack-shards merge OUT                            (then one dataset of the N parts)
+    pack-shards eval-tasks DATASET INPUT -o OUT.jsonl  (a benchmark as a task file: pytrain.tasks)
 
 Every token of every document is kept: a tokenizer.json's truncation and padding are
 switched off for packing, its post-processor template adds nothing
@@ -529,6 +530,10 @@ def _main(argv: list[str] | None) -> int:
         return merge_main(argv[1:])
     if argv and argv[0] == "upload":
         return upload_main(argv[1:])
+    if argv and argv[0] == "eval-tasks":
+        from pytrain.tasks.convert import main as eval_tasks_main
+
+        return eval_tasks_main(argv[1:])
     return pack_main(argv)
 
 
