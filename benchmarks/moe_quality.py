@@ -87,6 +87,14 @@ def main() -> int:
     p.add_argument("--seeds", default="1337,2")
     p.add_argument("--dense", default=CPU_DENSE, help="the dense run's flags")
     p.add_argument("--moe", default=CPU_MOE, help="the mixture of experts' flags")
+    p.add_argument(
+        "--against",
+        default="dense",
+        choices=("dense", "softmax"),
+        help="what the mixture is compared with: the dense model (--dense), or the "
+        "same mixture with softmax router scores (the sigmoid decision: --moe's "
+        "flags with --model.router_score softmax against sigmoid)",
+    )
     p.add_argument("--data", default="", help="training dataset (default: the embedded default's)")
     p.add_argument("--val", default="", help="validation dataset")
     p.add_argument("--work", type=Path, default=Path("runs/moe-quality"))
@@ -100,7 +108,11 @@ def main() -> int:
     seeds = [int(s) for s in args.seeds.split(",")]
     print(machine_line(), flush=True)
     results: dict[str, list[dict]] = {}
-    for name, spec in (("dense", args.dense), ("moe", args.moe)):
+    pair = (("dense", args.dense), ("moe", args.moe))
+    if args.against == "softmax":
+        pair = (("softmax", f"{args.moe} --model.router_score softmax"),
+                ("sigmoid", f"{args.moe} --model.router_score sigmoid"))  # fmt: skip
+    for name, spec in pair:
         flags = shlex.split(spec)
         results[name] = []
         for seed in seeds:
@@ -109,7 +121,7 @@ def main() -> int:
             results[name].append(r)
         results[name + " active"] = [{"n": active_params(flags)}]
     rows = []
-    for name, spec in (("dense", args.dense), ("moe", args.moe)):
+    for name, spec in pair:
         rs = results[name]
         load = [r["load"] for r in rs if r["load"] is not None]
         rows.append([
@@ -124,8 +136,12 @@ def main() -> int:
         ["run", "active params", "val loss by seed", "mean", "expert load max/mean", "unused experts", "tok/s"],
         rows,
     ))  # fmt: skip
-    dense, moe = (statistics.mean(r["val"] for r in results[n]) for n in ("dense", "moe"))
-    print(f"\nMoE - dense: {moe - dense:+.4f} nats ({(moe - dense) / dense:+.2%})")
+    base, moe = (statistics.mean(r["val"] for r in results[n]) for n, _ in pair)
+    spread = [r["val"] for r in results[pair[0][0]]]
+    print(
+        f"\n{pair[1][0]} - {pair[0][0]}: {moe - base:+.4f} nats ({(moe - base) / base:+.2%}); "
+        f"{pair[0][0]}'s own spread across seeds {(max(spread) - min(spread)) / base:.2%}"
+    )
     return 0
 
 

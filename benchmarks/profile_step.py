@@ -2,6 +2,7 @@
 
     python benchmarks/profile_step.py --nanogpt PATH [--batch 12] [--ours-flags "..."]
     python benchmarks/profile_step.py --nanogpt PATH --as-shipped   # the preset's own step
+    python benchmarks/profile_step.py --as-shipped --config configs/moe-1.8b-a320m.toml
 
 Ours: the GPT-2 124M preset through `python -m pytrain.train --profile_steps 40:50` (the
 real trainer: loader, guard, logging). nanoGPT: its model.py and bench.py's loop (random
@@ -28,7 +29,8 @@ from benchmarks.nanogpt import synthetic_dataset  # noqa: E402
 from pytrain.train.profiling import StepProfiler, format_summary  # noqa: E402
 
 
-def profile_ours(data: Path, out: Path, batch: int | None, flags: list[str]) -> dict:
+def profile_ours(data: Path, out: Path, batch: int | None, flags: list[str],
+                 config: str = "configs/gpt2-124m.toml") -> dict:  # fmt: skip
     """batch None: the preset as shipped (its batch and 32 micro-batches per step), steps
     5-7 of 8; otherwise one micro-batch of `batch` rows a step as bench.py, steps 40-50."""
     name = "profile-ours"
@@ -38,7 +40,7 @@ def profile_ours(data: Path, out: Path, batch: int | None, flags: list[str]) -> 
         shape = ["--max_steps", "60", "--profile_steps", "40:50", "--optim.grad_accum", "1",
                  "--data.batch_size", str(batch)]  # fmt: skip
     cmd = [
-        sys.executable, "-m", "pytrain.train", "--config", str(ROOT / "configs/gpt2-124m.toml"),
+        sys.executable, "-m", "pytrain.train", "--config", str(ROOT / config),
         "--data.path", str(data), "--out_dir", str(out), "--name", name, "--no-resume",
         *shape, "--eval_every", "0", "--ckpt_every", "0",
         "--log_every", "1", "--samples", "0", "--no-progress", *flags,
@@ -84,7 +86,14 @@ def main() -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--nanogpt", type=Path, required=True)
+    p.add_argument(
+        "--nanogpt", type=Path, help="nanoGPT's checkout (not with --as-shipped or --no-nanogpt)"
+    )
+    p.add_argument(
+        "--config",
+        default="configs/gpt2-124m.toml",
+        help="our preset (the GPT-2 124M one, which nanoGPT's step matches)",
+    )
     p.add_argument("--batch", type=int, default=12)
     p.add_argument("--ours-flags", default="", help="extra trainer flags, one shell string")
     p.add_argument("--no-nanogpt", action="store_true", help="profile ours only")
@@ -100,10 +109,13 @@ def main() -> int:
     data = synthetic_dataset(args.work / "synthetic-50k", 40_000)
     t0 = time.perf_counter()
     batch = None if args.as_shipped else args.batch
-    ours = profile_ours(data, args.work / "runs", batch, shlex.split(args.ours_flags))
+    ours = profile_ours(data, args.work / "runs", batch, shlex.split(args.ours_flags),
+                        args.config)  # fmt: skip
     if args.no_nanogpt or args.as_shipped:
-        print(f"## ours {args.ours_flags}\n\n{format_summary(ours)}")
+        print(f"## ours {args.config} {args.ours_flags}\n\n{format_summary(ours)}")
         return 0
+    if args.nanogpt is None:
+        p.error("--nanogpt PATH (or --no-nanogpt)")
     theirs = profile_nanogpt(args.nanogpt, args.batch, args.work)
     print(f"profiled in {time.perf_counter() - t0:.0f}s")
     for name, s in (("ours " + args.ours_flags, ours), ("nanoGPT", theirs)):

@@ -23,12 +23,15 @@ repeated runs of one preset would):
               a new run `--init_from` the export (continued pretraining: its first loss
               is the trained model's; ended once that is logged); tokens/s and peak memory in the note
               (1B and 3B need an 80 GB GPU; 3B ~110 GB of disk)
-  moe         configs/moe-1.8b-a320m.toml the same way, balanced as Qwen3 balances
-              (--model.balance_rate 0 --model.aux_loss 0.001), so that its export is a
-              Qwen3MoeForCausalLM with our logits
+  moe         configs/moe-1.8b-a320m.toml the same way, as shipped: its export (sigmoid
+              scores, the balancing bias) is a Glm4MoeForCausalLM with our logits
 
-Rows for a host of 4 GPUs of 80 GB, run only where --rows names them (the default rows run
-on one GPU); on fewer GPUs each fails at once, saying so:
+Rows run only where --rows names them (the default rows run on one 80 GB GPU); where the
+host lacks what a row needs, it fails at once, saying so:
+  olmoe       configs/olmoe-1b-7b.toml the same way, its export an OlmoeForCausalLM with
+              our logits; needs a GPU of 120 GiB or more (a 141 GB H200) and ~150 GB of
+              disk (a checkpoint is 55 GB, two exist while the second is written, and the
+              fp32 export is 28 GB)
   llama-8b    configs/llama-8b.toml under `torchrun --standalone --nproc_per_node 4`
               (FSDP2), shortened: synthetic ids at Llama 3's vocabulary, 4 micro-batches a
               rank, evaluation, a checkpoint (~64 GB), the resume, the export and its
@@ -74,10 +77,11 @@ from pytrain.train.metrics import read_step_lines  # noqa: E402
 PY = sys.executable
 TRAIN = [PY, "-m", "pytrain.train", "--no-progress"]
 TORCHRUN = [PY, "-m", "torch.distributed.run"]
-MULTI_GPU = ("llama-8b", "two-agent")
-QWEN3_BALANCE = ("--model.balance_rate", "0", "--model.aux_loss", "0.001")
-"""A mixture of experts balanced by Qwen3's global loss instead of the preset's bias."""
-"""The rows that need 4 GPUs: not in --rows' default, which runs on one GPU."""
+MULTI_GPU = ("llama-8b", "two-agent", "olmoe")
+"""The rows that need more than one 80 GB GPU: not in --rows' default."""
+OLMOE_GIB = 120
+"""GPU memory the olmoe row needs (its plan, configs/olmoe-1b-7b.toml: 77 GiB of training
+state, activations and the allocator's slack)."""
 VOCAB = 128256
 """Llama 3's vocabulary: the multi-GPU rows' synthetic ids, as the Llama presets train."""
 
@@ -508,6 +512,18 @@ def gpus_missing(row: Row, need: int) -> bool:
     return have < need
 
 
+def row_olmoe(work: Path) -> Row:
+    """configs/olmoe-1b-7b.toml as row_llama runs a preset, on a GPU of OLMOE_GIB or more."""
+    import torch
+
+    have = torch.cuda.get_device_properties(0).total_memory / 2**30
+    if have < OLMOE_GIB:
+        return Row(
+            "olmoe", "", note=f"not run: needs a GPU of {OLMOE_GIB} GiB, this one has {have:.0f}"
+        )
+    return row_llama(work, "olmoe-1b-7b", "olmoe", hf_class="OlmoeForCausalLM")
+
+
 def synthetic_dataset(work: Path) -> tuple[Path, Path]:
     """Synthetic ids at Llama 3's vocabulary (log-normal lengths of ~1,800 tokens): a
     training set of 20,000 documents (~36M tokens) and a validation set of another seed."""
@@ -755,8 +771,8 @@ ROWS = {
     "llama-350m": lambda w: row_llama(w, "llama-350m"),
     "llama-1b": lambda w: row_llama(w, "llama-1b"),
     "llama-3b": lambda w: row_llama(w, "llama-3b"),
-    # Balanced as Qwen3 balances (no bias), so that it exports to Qwen3MoeForCausalLM.
-    "moe": lambda w: row_llama(w, "moe-1.8b-a320m", "moe", QWEN3_BALANCE, "Qwen3MoeForCausalLM"),
+    "moe": lambda w: row_llama(w, "moe-1.8b-a320m", "moe", hf_class="Glm4MoeForCausalLM"),
+    "olmoe": row_olmoe,
     "llama-8b": row_llama_8b,
     "two-agent": row_two_agent,
 }
@@ -789,7 +805,7 @@ def main() -> int:
         "--rows",
         default=",".join(r for r in ROWS if r not in MULTI_GPU),
         help=f"comma-separated subset of {', '.join(ROWS)} (default: all but "
-        f"{', '.join(MULTI_GPU)}, which need 4 GPUs)",
+        f"{', '.join(MULTI_GPU)}, which need more than one 80 GB GPU)",
     )
     args = p.parse_args()
     work = args.work.resolve()

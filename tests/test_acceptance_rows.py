@@ -43,8 +43,9 @@ def test_the_multi_gpu_rows_are_rows_but_not_default_ones(acc, monkeypatch, tmp_
     monkeypatch.setattr(sys, "argv", ["gpu_acceptance.py", "--help"])
     with pytest.raises(SystemExit):
         acc.main()
-    assert "(default: all but llama-8b, two-agent, which need 4 GPUs)" in " ".join(
-        capsys.readouterr().out.split()
+    assert (
+        "(default: all but llama-8b, two-agent, olmoe, which need more than one 80 GB GPU)"
+        in " ".join(capsys.readouterr().out.split())
     )
     monkeypatch.setattr(sys, "argv", ["gpu_acceptance.py", "--work", str(tmp_path)])
     ran = []
@@ -55,6 +56,12 @@ def test_the_multi_gpu_rows_are_rows_but_not_default_ones(acc, monkeypatch, tmp_
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     row = acc.Row("x", "")
     assert acc.gpus_missing(row, 4) and row.note == "not run: needs 4 GPUs, this host has 1"
+    # The OLMoE row on an 80 GB GPU: refused at once, before any data is made.
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: type("P", (), {"total_memory": 80 * 2**30})())  # fmt: skip
+    row = acc.row_olmoe(tmp_path / "olmoe")
+    assert not row.ok and row.note == "not run: needs a GPU of 120 GiB, this one has 80"
+    assert not (tmp_path / "olmoe").exists()
 
 
 def test_a_command_is_ended_with_everything_under_it_once_what_the_row_needs_is_done(acc, tmp_path):

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 ARCHITECTURE = ("family", "vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "mlp",
                 "mlp_ratio", "tie_embeddings", "rope_base", "rope_scaling", "rope_factor",
-                "rope_original_len", "norm_eps", "head_size", "qk_norm", "experts", "top_k", "expert_hidden",
+                "rope_original_len", "norm_eps", "head_size", "qk_norm", "qk_norm_scope", "experts", "top_k", "expert_hidden",
                 "shared_experts", "dense_layers", "router_score", "norm_topk",
                 "route_scale")  # fmt: skip
 
-BALANCE = ("balance_rate", "aux_loss", "seq_aux_loss", "z_loss")
+BALANCE = ("balance_rate", "aux_loss", "aux_loss_scope", "seq_aux_loss", "z_loss")
 """How a mixture of experts balances its load (a source's own where --init_from reads a
 Hugging Face directory)."""
 
@@ -28,6 +28,8 @@ CHOICES = {
     "rope_scaling": ("none", "llama3"),
     "family": ("dense", "moe"),
     "router_score": ("softmax", "sigmoid"),
+    "qk_norm_scope": ("head", "projection"),
+    "aux_loss_scope": ("layer", "model"),
     "moe_kernel": ("auto", "grouped", "loop"),
 }
 """The settings that take one of a few words, and the words: checked where the command line
@@ -103,7 +105,12 @@ class ModelConfig:
     """Each attention head's width; 0 = d_model / n_head. Qwen3's are wider: 32 heads of
     128 over d_model 2048 (queries of 4096 projected back to 2048)."""
     qk_norm: bool = False
-    """An RMSNorm over each query and key head before RoPE (Qwen3, OLMoE)."""
+    """An RMSNorm over the queries and keys before RoPE (Qwen3, OLMoE, GLM-4.5), over the
+    span qk_norm_scope names."""
+    qk_norm_scope: str = "head"
+    """What one QK-norm normalises: 'head' (each query and key head on its own, with one
+    weight of head_size: Qwen3, GLM-4.5) or 'projection' (all the query heads together, and
+    all the key heads, with a weight as wide as the projection: OLMoE)."""
     # ---- mixture of experts (family 'moe'; pytrain.model.moe) ----------------------------
     experts: int = 8
     """Routed experts in each MoE block."""
@@ -116,9 +123,10 @@ class ModelConfig:
     SwiGLU of shared_experts x expert_hidden."""
     dense_layers: int = 0
     """The first blocks with a dense MLP instead of experts (DeepSeek-V3: 3)."""
-    router_score: str = "softmax"
-    """The router's scores from its fp32 logits: 'softmax' (Qwen3-MoE, OLMoE) or 'sigmoid'
-    (DeepSeek-V3)."""
+    router_score: str = "sigmoid"
+    """The router's scores from its fp32 logits: 'sigmoid' (DeepSeek-V3, GLM-4.5: each
+    expert's score on its own, what auxiliary-loss-free balancing was made for; exported as
+    Glm4MoeForCausalLM) or 'softmax' (Qwen3-MoE, OLMoE: exported as theirs, with no bias)."""
     norm_topk: bool = True
     """The top_k weights rescaled to sum to 1 (Qwen3-MoE: yes; OLMoE: no)."""
     route_scale: float = 1.0
@@ -129,8 +137,14 @@ class ModelConfig:
     the mean load (up when underused, down when overused); 0 = off. The bias is in the
     checkpoint."""
     aux_loss: float = 0.0
-    """The global load-balancing loss's weight (Switch, Qwen3-MoE: 0.001): experts x sum of
-    (fraction of tokens routed to an expert x its mean score) over each micro-batch."""
+    """The global load-balancing loss's weight (Switch, Qwen3-MoE: 0.001, OLMoE: 0.01):
+    experts x sum over experts of (tokens routed to it / tokens) x its mean score, over each
+    micro-batch, pooled as aux_loss_scope says."""
+    aux_loss_scope: str = "layer"
+    """Where the balancing loss's statistics are pooled: 'layer' (a product per MoE layer,
+    the products summed: Megatron's; balanced, it is top_k a layer) or 'model' (the tokens
+    and scores summed over every MoE layer first, one product: transformers' Qwen3-MoE and
+    OLMoE, whose loss is about 1 / layers of the 'layer' form's)."""
     seq_aux_loss: float = 0.0
     """The sequence-level balancing loss's weight (DeepSeek-V3: 1e-4): the same within
     each row, averaged over rows."""
@@ -211,6 +225,21 @@ class ModelConfig:
                     "seq_aux_loss", "z_loss"):  # fmt: skip
             if getattr(self, key) < 0:
                 raise ValueError(f"model.{key} is {getattr(self, key)}; expected >= 0")
+
+    def balancing(self) -> str:
+        """How a mixture of experts balances its load, in words (a run's log says it)."""
+        parts = []
+        if self.balance_rate:
+            parts.append(f"bias moved {self.balance_rate:g} a step (DeepSeek-V3)")
+        if self.aux_loss:
+            pooled = {"layer": "a product per MoE layer, summed (Megatron's form)",
+                      "model": "its statistics pooled over the MoE layers (transformers' form)"}  # fmt: skip
+            parts.append(f"aux loss {self.aux_loss:g}, {pooled[self.aux_loss_scope]}")
+        if self.seq_aux_loss:
+            parts.append(f"sequence aux loss {self.seq_aux_loss:g}")
+        if self.z_loss:
+            parts.append(f"z-loss {self.z_loss:g}")
+        return "; ".join(parts) or "nothing"
 
     def architecture(self) -> dict:
         """The settings that define the function the weights compute, by name: a checkpoint

@@ -150,10 +150,13 @@ class Attention(nn.Module):
         self.proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
         self.dropout = cfg.dropout
         self.backend = cfg.sdpa_backend
-        if cfg.qk_norm:  # Qwen3's: each head's query and key normalised before RoPE
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
-        self.qk_norm = cfg.qk_norm
+        # Queries and keys normalised before RoPE: each head alone (Qwen3), or all the
+        # heads of the projection together (OLMoE: one weight as wide as it).
+        self.qk_norm = cfg.qk_norm and cfg.qk_norm_scope
+        if self.qk_norm:
+            span = {"head": (1, 1), "projection": (cfg.n_head, cfg.kv_heads)}[cfg.qk_norm_scope]
+            self.q_norm = RMSNorm(span[0] * cfg.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(span[1] * cfg.head_dim, cfg.norm_eps)
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
@@ -165,8 +168,10 @@ class Attention(nn.Module):
             .view(B, T, -1, self.head_dim)
             .split((self.n_head, self.kv_heads, self.kv_heads), dim=2)
         )
-        if self.qk_norm:
+        if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
+        elif self.qk_norm:  # over (B, T, heads x D), back to the heads' view
+            q, k = (n(t.flatten(2)).view_as(t) for n, t in ((self.q_norm, q), (self.k_norm, k)))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if isinstance(mask, flash4.Segments) or (mask is None and self.backend == "fa4"):
             if self.training and self.dropout:
@@ -462,6 +467,11 @@ class GPT(nn.Module):
             aux = a if aux is None else aux if a is None else aux + a
         return self.norm(x), aux
 
+    def aux_objective(self, aux: torch.Tensor) -> torch.Tensor:
+        """The loss of the blocks' summed auxiliary terms (a family whose blocks return
+        statistics to pool over layers turns them into one here)."""
+        return aux
+
     def uses_fused_ce(self, device: torch.device) -> bool:
         """Whether training steps compute the loss with pytrain.model.fused_ce."""
         choice = self.cfg.fused_ce
@@ -498,6 +508,7 @@ class GPT(nn.Module):
                 logits.flatten(0, 1), targets, ignore_index=fused_ce.IGNORE_INDEX, reduction="sum"
             )
         if aux is not None:
+            aux = self.aux_objective(aux)
             loss = loss + (aux - aux.detach()) * loss_mask.sum()
         return loss
 

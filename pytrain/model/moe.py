@@ -138,12 +138,16 @@ class MoE(nn.Module):
         return out.view(B, T, d).to(x.dtype), aux
 
     def aux_loss(self, logits, scores, counts, ids, rows: int) -> torch.Tensor | None:
-        """The weighted sum of the balancing losses asked for, or None where none is."""
+        """The weighted sum of the balancing losses asked for, or None where none is. With
+        aux_loss_scope 'model', a vector instead: that sum, then this layer's (tokens routed
+        to each expert / tokens) and mean scores, which GPT.trunk sums over the layers and
+        MoEGPT.aux_objective turns into one product."""
         cfg = self.cfg
         N, E, k = scores.shape[0], cfg.experts, cfg.top_k
         terms = []
         probs = scores / scores.sum(-1, keepdim=True)  # sigmoid scores normalised
-        if cfg.aux_loss:  # Switch / Qwen3-MoE: E * sum_i (tokens to i / N) * mean prob of i
+        pooled = cfg.aux_loss and cfg.aux_loss_scope == "model"
+        if cfg.aux_loss and not pooled:  # Switch: E * sum_i (tokens to i / N) * mean prob of i
             terms.append(cfg.aux_loss * E * (counts.float() / N * probs.mean(0)).sum())
         if cfg.seq_aux_loss:  # DeepSeek-V3: the same within each row, averaged over rows
             per_row = torch.zeros(rows, E, device=ids.device)
@@ -154,7 +158,10 @@ class MoE(nn.Module):
             terms.append(cfg.seq_aux_loss * (f * p).sum(-1).mean())
         if cfg.z_loss:  # ST-MoE: keeps the logits small
             terms.append(cfg.z_loss * torch.logsumexp(logits, -1).square().mean())
-        return sum(terms[1:], terms[0]) if terms else None
+        if not pooled:
+            return sum(terms[1:], terms[0]) if terms else None
+        rest = sum(terms, torch.zeros((), device=logits.device))
+        return torch.cat([rest.view(1), counts.float() / N, probs.mean(0)])
 
 
 class MoEGPT(GPT):
@@ -177,6 +184,17 @@ class MoEGPT(GPT):
             m.expert_bias.zero_()
             for buf in (m.micro_load, m.step_load):
                 buf.zero_()
+
+    def aux_objective(self, aux: torch.Tensor) -> torch.Tensor:
+        """The blocks' summed auxiliary terms as one loss: with aux_loss_scope 'model',
+        transformers' Qwen3-MoE and OLMoE balancing loss (load_balancing_loss_func): E x
+        sum over experts of (tokens routed to it / tokens) x its mean score, both over the
+        tokens of every MoE layer at once."""
+        if aux.ndim == 0:
+            return aux
+        E, layers = self.cfg.experts, len(self.moe_layers())
+        share, score = aux[1 : 1 + E] / layers, aux[1 + E :] / layers
+        return aux[0] + self.cfg.aux_loss * E * (share * score).sum()
 
     def active_params(self) -> int:
         """The routed experts a token does not visit are not multiplied by."""

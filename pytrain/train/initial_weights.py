@@ -41,6 +41,8 @@ def source(
         # loss, no bias), so that its export computes the same choice of experts.
         for key in BALANCE:
             setattr(model, key, getattr(cfg, key))
+        if cfg.family == "moe":
+            say(f"{p.name} balances its experts as its authors trained it: {cfg.balancing()}")
         if (p / "tokenizer.json").is_file():
             for note in tokenizer_notes(p / "tokenizer.json", datasets):
                 say(note)

@@ -23,6 +23,11 @@ CATEGORIES = (
         r"(flash|fmha|attention|attn|sdpa).*(bwd|backward|dq|dk|dv)|bwd.*(flash|fmha|attn)",
     ),
     ("attention forward", r"flash|fmha|attention|attn|sdpa"),
+    # A mixture of experts' own: torch._grouped_mm's kernels, and the routing around them
+    # (top-k, the stable sort by expert, the gathers and scatters that permute the tokens;
+    # Inductor names its kernels after the ops they fuse).
+    ("grouped GEMM (experts)", r"grouped|group_gemm"),
+    ("routing: top-k, sort, gathers, scatters", r"topk|sort|radix|gather|scatter|index_put"),
     ("matmul", r"gemm|nvjet|sm90_xmma|cutlass|cublas|wgmma|matmul|mm_"),
     ("optimizer", r"adam|foreach|multi_tensor|norm_kernel|fused_adam"),
     ("cross-entropy / softmax", r"log_softmax|nll_loss|cross_entropy|softmax|ce_grad"),
