@@ -95,7 +95,7 @@ def prefix_token(m) -> int | None:
 
 
 def score_tasks(model: str, tasks: list[str], device: str = "cpu", limit: int = 0,
-                batch_rows: int = 8):  # fmt: skip
+                batch_rows: int = 8, row_tokens: int = 512, packed: bool = False):  # fmt: skip
     """The downstream tasks `tasks` names (files or folders), scored with `model`: a
     pytrain.tasks.suite.Results."""
     import torch
@@ -109,7 +109,8 @@ def score_tasks(model: str, tasks: list[str], device: str = "cpu", limit: int = 
     suite = TaskSuite.for_model(read, m.tokenizer, prefix_token(m), m.gpt.cfg.max_seq_len, limit)
     dtype = torch.bfloat16 if device != "cpu" and torch.cuda.is_bf16_supported() else None
     kind = torch.device(device).type
-    return suite.score(m.gpt, torch.device(device), batch_rows=batch_rows,
+    return suite.score(m.gpt, torch.device(device), batch_rows=batch_rows, row_tokens=row_tokens,
+                       packed=packed,
                        autocast=lambda: torch.autocast(kind, dtype=dtype, enabled=dtype is not None))  # fmt: skip
 
 
@@ -139,8 +140,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--limit", type=int, default=0, help="--tasks: the first N items of each task (0: all)"
     )
+    p.add_argument("--batch_rows", type=int, default=8, help="--tasks: rows a forward")
     p.add_argument(
-        "--batch_rows", type=int, default=8, help="--tasks: rows of the model's window a forward"
+        "--pack",
+        action="store_true",
+        help="--tasks: several requests a row under the document mask (default: one a row, "
+        "longest first, padded to the longest of its batch; faster on a CPU, docs/DOWNSTREAM.md)",
+    )
+    p.add_argument(
+        "--row_tokens",
+        type=int,
+        default=512,
+        help="--tasks: tokens a row (requests packed into it; the longest request's where that "
+        "is more)",
     )
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -150,8 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     if missing := missing_model(args.model):  # at once: torch takes seconds to load
         print(f"pytrain.eval: error: {missing}", file=sys.stderr)
         return 2
-    if args.limit < 0 or args.batch_rows < 1:
-        print("pytrain.eval: error: --limit is 0 or more, --batch_rows 1 or more", file=sys.stderr)
+    if args.limit < 0 or args.batch_rows < 1 or args.row_tokens < 1:
+        print("pytrain.eval: error: --limit is 0 or more, --batch_rows and --row_tokens 1 or more",
+              file=sys.stderr)  # fmt: skip
         return 2
     import torch
 
@@ -162,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     )
     try:
-        tasks = (score_tasks(args.model, args.tasks, device, args.limit, args.batch_rows)
-                 if args.tasks else None)  # fmt: skip
+        tasks = (score_tasks(args.model, args.tasks, device, args.limit, args.batch_rows,
+                             args.row_tokens, args.pack) if args.tasks else None)  # fmt: skip
         r = (
             evaluate(args.model, args.data, args.batches, device)
             if args.data or not tasks

@@ -111,7 +111,7 @@ def test_loglikelihoods_and_accuracies_equal_lm_evaluation_harness(
         files[name].write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in items))
     (tmp_path / "defs").mkdir()
     theirs = lm_eval_results(tmp_path / "defs", files)
-    ours = score_tasks(str(exported), [str(files[n]) for n in TASKS], batch_rows=3)
+    ours = score_tasks(str(exported), [str(files[n]) for n in TASKS], batch_rows=3, packed=True)
     by_name = {r.name: r for r in ours.tasks}
     truncated = 0
     for name in TASKS:

@@ -10,11 +10,12 @@ end-of-text token), unless the continuation begins with it. A request longer tha
 window keeps its last window + 1 tokens (the context cut from the left, as
 lm-evaluation-harness cuts it) and is counted.
 
-Requests are packed: several to a row, each its own document under the document mask
-training uses (positions from 0 in each), the rows filled longest request first, each into
-the row whose free space fits it most tightly. Only the positions that predict a
-continuation token go through the output layer. `packed=False` gives each request a row of
-its own, padded to the longest of its batch (lm-evaluation-harness's way), for comparison."""
+Requests go one a row, longest first, each batch padded to its longest (lm-evaluation-
+harness's way), or with `packed` several to a row, each its own document under the document
+mask training uses (positions from 0 in each), the rows filled longest request first, each
+into the row whose free space fits it most tightly (slower on a CPU, where the mask's
+attention is dense: docs/DOWNSTREAM.md). Only the positions that predict a continuation
+token go through the output layer."""
 
 from __future__ import annotations
 

@@ -60,7 +60,7 @@ class TaskScores:
             return None
         t = self.trainer
         r = self.suite.score(
-            t.gpt, t.device, batch_rows=t.cfg.data.batch_size,
+            t.gpt, t.device, batch_rows=t.cfg.data.batch_size, row_tokens=t.cfg.data.seq_len,
             autocast=lambda: t.precision.autocast(t.device), share=(t.dist.rank, t.dist.world_size),
             all_sum=lambda x: distributed.all_sum_tensor(x, t.dist),
         )  # fmt: skip
