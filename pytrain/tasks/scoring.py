@@ -106,6 +106,8 @@ class Scores:
     """Rows the requests took (their forwards' tokens: rows x the batches' widths)."""
     tokens: int
     """Tokens the forwards read, padding included."""
+    mine: int = 0
+    """Rows this rank scored itself (all of them in one process)."""
 
 
 def score(
@@ -127,7 +129,7 @@ def score(
     rows = pack_rows(lengths, row_len) if packed else one_per_row(lengths)
     batches = [rows[i : i + batch_rows] for i in range(0, len(rows), batch_rows)]
     out = torch.zeros((2, len(segs)), dtype=torch.float64, device=device)
-    tokens = 0
+    tokens = mine = 0
     rank, world = share
     was_training = gpt.training
     gpt.eval()
@@ -138,11 +140,12 @@ def score(
                 tokens += width * len(batch)
                 if b % world == rank:
                     _score_batch(gpt, segs, batch, width, device, autocast, out)
+                    mine += len(batch)
     finally:
         gpt.train(was_training)
     out = all_sum(out).cpu()
     return Scores(out[0].tolist(), [bool(g) for g in out[1].tolist()],
-                  sum(s.truncated for s in segs), len(rows), tokens)  # fmt: skip
+                  sum(s.truncated for s in segs), len(rows), tokens, mine)  # fmt: skip
 
 
 def _score_batch(gpt, segs, batch, width, device, autocast, out: torch.Tensor) -> None:

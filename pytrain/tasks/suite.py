@@ -37,6 +37,8 @@ class Results:
     seconds: float
     rows: int
     tokens: int
+    mine: int = 0
+    """Rows this rank scored (under torchrun, its share of `rows`)."""
 
     def scalars(self) -> dict[str, float | None]:
         out: dict[str, float | None] = {"tasks/core": self.core}
@@ -126,4 +128,4 @@ class TaskSuite:
             cut = sum(seg.truncated for seg in self.segments[at:end])
             out.append(metrics.task_result(task, reqs, s.loglik[at:end], s.greedy[at:end], cut))
             at = end
-        return Results(out, metrics.core(out), time.perf_counter() - t0, s.rows, s.tokens)
+        return Results(out, metrics.core(out), time.perf_counter() - t0, s.rows, s.tokens, s.mine)
