@@ -4,10 +4,17 @@ time (a sleep: no work, no CPU). On real hardware a step takes longer than a res
 seconds of imports; the tests' steps take milliseconds, so without it the survivors would
 finish the run before a restarted group came back to heal.
 
+With DIE_AT=STEP in its environment, the rank SIGKILLs itself where it would join the
+all-reduce between groups of its first step from STEP on that every group of ft.groups
+trains: the other groups of that quorum are then inside the all-reduce, waiting on it. It
+writes the time it dies (time.time()) to the file DIED names, first.
+
     torchrun ... tests/replica_group_worker.py PACE ARGS..."""
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import time
 
@@ -15,7 +22,10 @@ from pytrain.train import distributed, replica_groups
 from pytrain.train.cli import main
 
 PACE = float(sys.argv[1])
+DIE_AT = int(os.environ.get("DIE_AT", "-1"))
+GROUPS = int([b for a, b in zip(sys.argv, sys.argv[1:], strict=False) if a == "--ft.groups"][-1])
 attempt = replica_groups.ReplicaGroupTrainer.train_step
+sum_over_groups = replica_groups.sum_over_groups
 
 
 def paced(self, batches, prefetch=None):
@@ -26,5 +36,14 @@ def paced(self, batches, prefetch=None):
     return p
 
 
+def dying(manager, *args, **kwargs):
+    if 0 <= DIE_AT <= manager.current_step() and manager.num_participants() == GROUPS:
+        with open(os.environ["DIED"], "w") as f:
+            f.write(f"{time.time()}\n")
+        os.kill(os.getpid(), signal.SIGKILL)
+    return sum_over_groups(manager, *args, **kwargs)
+
+
 replica_groups.ReplicaGroupTrainer.train_step = paced  # type: ignore[method-assign]
+replica_groups.sum_over_groups = dying
 distributed.exit_process(main(sys.argv[2:]))

@@ -109,16 +109,18 @@ def _start_lighthouse(tmp_path: Path, min_replicas: int, port: int) -> subproces
     return subprocess.Popen(cmd, stdout=log, stderr=log, env=ENV)
 
 
-def start_group(addr, k, data, tmp_path, *extra, restarts=0, pace=0.0, ranks=1) -> subprocess.Popen:
+def start_group(addr, k, data, tmp_path, *extra, restarts=0, pace=0.0, ranks=1, env=None) -> subprocess.Popen:  # fmt: skip
     """Replica group k: a torchrun job of `ranks` ranks (tests/replica_group_worker.py, each
-    step of a smaller quorum held to `pace` seconds), its output in tmp_path/group{k}.out."""
+    step of a smaller quorum held to `pace` seconds, `env` added to its environment), its
+    output in tmp_path/group{k}.out."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
            f"--master_port={next(PORTS)}", f"--max-restarts={restarts}", str(WORKER), str(pace),
            *_flags(data, tmp_path / "runs", "--optim.grad_accum", "1", "--ft.lighthouse", addr,
                    "--ft.group", str(k), "--ft.groups", str(GROUPS), "--ft.min_replicas", "2",
                    "--ft.timeout_s", "10", "--ft.quorum_timeout_s", "60", *extra)]  # fmt: skip
     out = open(tmp_path / f"group{k}.out", "w")  # noqa: SIM115
-    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=ENV, text=True)
+    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**ENV, **(env or {})},
+                            text=True)  # fmt: skip
 
 
 def output(tmp_path: Path, k: int) -> str:
@@ -438,6 +440,32 @@ def test_under_slurm_a_killed_group_heals_and_every_row_is_trained_once(
     assert {lines[0]["groups"] for lines in by_step.values()} >= {2, 3}
     assert_same_state(tmp_path, range(GROUPS))
     assert_losses_follow(tmp_path, reference())
+
+
+@pytest.mark.slow
+def test_the_survivors_of_a_group_killed_in_the_all_reduce_commit_again_within_seconds(
+    ft_data, tmp_path
+):
+    """Four groups, three needed for a quorum; group 3's rank dies where it would join a
+    step's all-reduce (tests/replica_group_worker.py DIE_AT), the three others inside it.
+    gloo's all-reduce is a ring: its two neighbours see the connection reset at once, the
+    third waits on a receive from one of them, and the two cannot form a quorum without it.
+    All three commit again within the Lighthouse's heartbeat timeout (1 s) and a step, with
+    a margin for a loaded machine, not after ft.timeout_s (30 s here): a group aborts its
+    all-reduce's connections as the all-reduce fails, and the third's receive fails too."""
+    died, groups = tmp_path / "died", 4
+    with lighthouse(tmp_path, 3) as (addr, _):
+        procs = [start_group(addr, k, ft_data, tmp_path, "--max_steps", "16", "--ft.groups",
+                             str(groups), "--ft.min_replicas", "3", "--ft.timeout_s", "30", pace=0.5,
+                             env={"DIE_AT": "4", "DIED": str(died)} if k == groups - 1 else None)
+                 for k in range(groups)]  # fmt: skip
+        codes = finish(procs, tmp_path)
+    assert codes[:-1] == [0] * (groups - 1) and codes[-1] != 0, output(tmp_path, 0)[-3000:]
+    when = float(died.read_text())
+    for k in range(groups - 1):
+        back = min(x["time"] for x in ledger(tmp_path, k) if x["committed"] and x["time"] > when)
+        print(f"group {k} committed again {back - when:.2f}s after group {groups - 1} died")
+        assert back - when < 8.0, output(tmp_path, k)[-3000:]
 
 
 def _committed_after(tmp_path: Path, k: int, when: float) -> bool:

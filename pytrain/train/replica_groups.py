@@ -113,13 +113,23 @@ def quorum_mismatch(summed: torch.Tensor, groups: int, size: int, step: int) -> 
     return None
 
 
-def sum_over_groups(manager, tensors: list[torch.Tensor], loss: torch.Tensor, tag: torch.Tensor,
-                    check) -> torch.Tensor | None:  # fmt: skip
+def sum_over_groups(manager, pg, tensors: list[torch.Tensor], loss: torch.Tensor,
+                    tag: torch.Tensor, check) -> torch.Tensor | None:  # fmt: skip
     """Sums `tensors` (in place), `loss` and `tag` (quorum_tag) over the groups of the step's
     quorum, in one all-reduce through torchft, then asks whether the step commits. Returns
     the summed loss, or None where it does not (an all-reduce that failed, a group that failed
     its vote, too few groups, or `check(summed tag)`'s mismatch): the tensors are then left
     as they were, to be dropped.
+
+    An all-reduce that fails closes `pg` (the Manager's process group between groups) at
+    once. A group that dies mid all-reduce is seen at once only by the groups that exchange
+    data with it (gloo's ring: its neighbours); the others wait on a receive from a live
+    group that has given up. torchft would close its connections only when the next quorum
+    forms, and that quorum may need the waiting groups: everyone then waited ft.timeout_s.
+    Closed now, the waiting groups' receives fail too, and every group asks for the next
+    quorum within the Lighthouse's heartbeat timeout. The failed vote gives the next quorum
+    a new id (torchft's Lighthouse re-forms on a commit failure), under which the process
+    group is made again.
 
     The tag catches an all-reduce over groups that did not cut the step alike. torchft
     re-forms its all-reduce group only when the quorum's id changes, and a restarted
@@ -131,7 +141,9 @@ def sum_over_groups(manager, tensors: list[torch.Tensor], loss: torch.Tensor, ta
     flat = torch.cat([t.reshape(-1).float() for t in tensors]
                      + [loss.reshape(1).float(), tag.to(loss.device)])  # fmt: skip
     manager.allreduce(flat, reduce_op=dist.ReduceOp.SUM).wait()
-    if (why := check(flat[-tag.numel() :].cpu())) is not None:
+    if manager.errored() is not None:
+        close(pg)
+    elif (why := check(flat[-tag.numel() :].cpu())) is not None:
         manager.report_error(RuntimeError(f"the step's all-reduce mixed quorums: {why}"))
     if not manager.should_commit():
         return None
@@ -140,6 +152,18 @@ def sum_over_groups(manager, tensors: list[torch.Tensor], loss: torch.Tensor, ta
         t.copy_(flat[at : at + t.numel()].view_as(t))
         at += t.numel()
     return flat[at]
+
+
+def close(pg) -> None:
+    """Closes torchft's process group `pg` and its connections to the other groups: gloo's
+    sockets (ProcessGroupWrapper.abort), or the subprocess that holds NCCL's communicator
+    (ProcessGroupBaby's). torchft's next reconfiguration makes it again."""
+    from torchft.process_group import ProcessGroupBaby
+
+    if isinstance(pg, ProcessGroupBaby):
+        pg.shutdown()
+    else:
+        pg.abort()
 
 
 class ReplicaGroupTrainer(Trainer):
@@ -190,9 +214,10 @@ class ReplicaGroupTrainer(Trainer):
         timeout = timedelta(seconds=ft.timeout_s)
         cross = tf.ProcessGroupBabyNCCL if self.device.type == "cuda" else tf.ProcessGroupGloo
         host, port = group_store()
+        self.cross_pg = cross(timeout=timeout)
         try:
             manager = tf.Manager(
-                pg=cross(timeout=timeout), load_state_dict=self._load_peer_state,
+                pg=self.cross_pg, load_state_dict=self._load_peer_state,
                 state_dict=self._peer_state, min_replica_size=ft.min_replicas,
                 # A quorum's heal is applied before the step's rows are cut: every group of
                 # the quorum then trains its share (torchft's asynchronous quorum would leave
@@ -279,7 +304,7 @@ class ReplicaGroupTrainer(Trainer):
         )
         tag = quorum_tag(ft.group, ft.groups, place, size, self.step)
         total = sum_over_groups(
-            self.manager, self._grads() + self.gpt.step_sums(), loss_sum, tag,
+            self.manager, self.cross_pg, self._grads() + self.gpt.step_sums(), loss_sum, tag,
             lambda summed: quorum_mismatch(summed, ft.groups, size, self.step),
         )  # fmt: skip
         self._write_ledger(total is not None, time.perf_counter() - t0)
