@@ -52,3 +52,14 @@ def test_ddp_ranks_score_their_share_and_gather_one_process_s_scores(dataset, tm
     ranks = torchrun_scores(dataset, tmp_path)
     assert ranks[0]["plan"] == "ddp"
     assert_one_process_scores(ranks, dataset, tmp_path / "run")
+
+
+@pytest.mark.slow
+def test_fsdp2_ranks_run_in_lockstep_and_gather_one_process_s_scores(dataset, tmp_path):  # noqa: F811
+    # 11 requests a row, 4 rows a forward: 3 forwards, rows 0-3 and 8-10 on rank 0, 4-7 on
+    # rank 1, which runs a spare one (FSDP2 gathers each block's weights in each forward,
+    # on every rank; a rank short of one would leave the other waiting in its all-gather).
+    ranks = torchrun_scores(dataset, tmp_path, "--fsdp", "--dist_timeout_s", "30")
+    assert ranks[0]["plan"] == "fsdp2"
+    assert [r["mine"] for r in ranks] == [7, 4]
+    assert_one_process_scores(ranks, dataset, tmp_path / "run")

@@ -110,6 +110,29 @@ class Scores:
     """Rows this rank scored itself (all of them in one process)."""
 
 
+class Continuations(torch.nn.Module):
+    """The forward that scores: a GPT's log-probability of each picked position's target
+    token, and whether that token is not the greedy one. `docs` None: each row one request
+    (plain causal attention; the padding after it is never read), else each row's
+    documents under the document mask. What the trainer compiles where the run compiles."""
+
+    def __init__(self, gpt):
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, ids, pos, docs, at_b, at_t, targets):
+        mask = None if docs is None else self.gpt.make_mask(docs, "sdpa_mask")
+        h = self.gpt.hidden(ids, pos, mask)
+        logp = F.log_softmax(self.gpt.head(h[at_b, at_t]).float(), dim=-1)
+        return logp.gather(1, targets[:, None])[:, 0], logp.argmax(dim=-1) != targets
+
+
+def fixed_width(width: int, row_len: int) -> int:
+    """A row width of a few fixed ones (powers of two from 64, at most `row_len`), so that a
+    compiled forward sees few shapes."""
+    return min(row_len, max(64, 1 << (width - 1).bit_length()))
+
+
 def score(
     gpt,
     segs: Sequence[Segment],
@@ -121,69 +144,99 @@ def score(
     autocast: Callable[[], AbstractContextManager] = nullcontext,
     share: tuple[int, int] = (0, 1),
     all_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+    forward: Callable | None = None,
+    fixed_shapes: bool = False,
+    lockstep: bool = False,
 ) -> Scores:
     """The log-likelihood of each segment's targets and whether they are the greedy tokens.
     `share` (rank, world): this rank scores every world-th batch of rows, and `all_sum`
-    adds the ranks' results (each request's is zero on the ranks that did not score it)."""
+    adds the ranks' results (each request's is zero on the ranks that did not score it).
+    `forward`: Continuations(gpt), or its compiled module; `fixed_shapes`: every batch
+    `batch_rows` rows of a fixed_width, and as many picked positions as the most any batch
+    of that width has (one compiled graph a width). `lockstep`: every rank runs as many
+    forwards as the busiest, the spare ones on a one-token row whose scores are dropped
+    (FSDP2 gathers each block's weights in every forward, on every rank)."""
+    forward = forward or Continuations(gpt)
     lengths = [len(s.inputs) for s in segs]
     rows = pack_rows(lengths, row_len) if packed else one_per_row(lengths)
-    batches = [rows[i : i + batch_rows] for i in range(0, len(rows), batch_rows)]
-    out = torch.zeros((2, len(segs)), dtype=torch.float64, device=device)
-    tokens = mine = 0
+    batches = [_Batch(segs, rows[i : i + batch_rows], packed)
+               for i in range(0, len(rows), batch_rows)]  # fmt: skip
+    picks: dict[int, int] = {}  # the most picked positions a batch of each width has
+    for b in batches:
+        if fixed_shapes:
+            b.width, b.rows = fixed_width(b.width, row_len), batch_rows
+        picks[b.width] = max(picks.get(b.width, 0), len(b.targets))
+    # Each request's (log-likelihood, greedy), and a last column that padding's picks go to.
+    out = torch.zeros((2, len(segs) + 1), dtype=torch.float64, device=device)
     rank, world = share
+    mine = batches[rank::world]
+    spare = -(-len(batches) // world) - len(mine) if lockstep else 0
     was_training = gpt.training
     gpt.eval()
     try:
         with torch.no_grad():
-            for b, batch in enumerate(batches):
-                width = max(sum(lengths[i] for i in row) for row in batch)
-                tokens += width * len(batch)
-                if b % world == rank:
-                    _score_batch(gpt, segs, batch, width, device, autocast, out)
-                    mine += len(batch)
+            for b in mine:
+                b.run(forward, picks[b.width] if fixed_shapes else 0, device, autocast, out)
+            for _ in range(spare):
+                _Batch(segs, [[]], False, dummy=True).run(forward, 0, device, autocast, out)
     finally:
         gpt.train(was_training)
-    out = all_sum(out).cpu()
+    out = all_sum(out[:, :-1]).cpu()
     return Scores(out[0].tolist(), [bool(g) for g in out[1].tolist()],
-                  sum(s.truncated for s in segs), len(rows), tokens, mine)  # fmt: skip
+                  sum(s.truncated for s in segs), len(rows),
+                  sum(b.width * b.rows for b in batches),
+                  sum(len(b.members) for b in mine))  # fmt: skip
 
 
-def _score_batch(gpt, segs, batch, width, device, autocast, out: torch.Tensor) -> None:
-    """Adds each segment's log-likelihood (out[0]) and greedy flag (out[1])."""
-    B = len(batch)
-    ids = torch.zeros((B, width), dtype=torch.long)
-    pos = torch.zeros((B, width), dtype=torch.long)
-    docs = torch.full((B, width), -1, dtype=torch.long)
-    # Each continuation token: its row, its position, the token, its segment.
-    at_b: list[int] = []
-    at_t: list[int] = []
-    targets: list[int] = []
-    owner: list[int] = []
-    for b, row in enumerate(batch):
-        start = 0
-        for d, i in enumerate(row):
-            s = segs[i]
-            n = len(s.inputs)
-            ids[b, start : start + n] = torch.tensor(s.inputs)
-            pos[b, start : start + n] = torch.arange(n)
-            docs[b, start : start + n] = d
-            k = len(s.targets)
-            at_b += [b] * k
-            at_t += range(start + n - k, start + n)
-            targets += s.targets
-            owner += [i] * k
-            start += n
-    ids, pos, docs = ids.to(device), pos.to(device), docs.to(device)
-    with autocast():
-        h = gpt.hidden(ids, pos, gpt.make_mask(docs, "sdpa_mask"))
-        picked = h[torch.tensor(at_b, device=device), torch.tensor(at_t, device=device)]
-        logits = gpt.head(picked)
-    logp = F.log_softmax(logits.float(), dim=-1)
-    want = torch.tensor(targets, device=device)
-    ll = logp.gather(1, want[:, None])[:, 0].double()
-    miss = (logp.argmax(dim=-1) != want).double()
-    whose = torch.tensor(owner, device=device)
-    out[0].index_add_(0, whose, ll)
-    wrong = torch.zeros_like(out[1]).index_add_(0, whose, miss)
-    touched = torch.zeros_like(out[1]).index_add_(0, whose, torch.ones_like(miss))
-    out[1] += ((wrong == 0) & (touched > 0)).double()
+class _Batch:
+    """A forward's rows: each row's requests side by side, and the positions that predict
+    a continuation token (`targets`, at (row, column), of segment `owner`). `dummy`: one
+    token, picked for nothing (owner -1, the dropped column)."""
+
+    def __init__(self, segs: Sequence[Segment], members: list[list[int]], packed: bool,
+                 dummy: bool = False):  # fmt: skip
+        self.segs, self.members, self.packed = segs, members, packed
+        self.rows = len(members)
+        self.width = 1 if dummy else max(sum(len(segs[i].inputs) for i in r) for r in members)
+        self.at_b: list[int] = [0] if dummy else []
+        self.at_t: list[int] = [0] if dummy else []
+        self.targets: list[int] = [0] if dummy else []
+        self.owner: list[int] = [-1] if dummy else []
+        for b, row in enumerate(members):
+            start = 0
+            for i in row:
+                n, k = len(segs[i].inputs), len(segs[i].targets)
+                self.at_b += [b] * k
+                self.at_t += range(start + n - k, start + n)
+                self.targets += segs[i].targets
+                self.owner += [i] * k
+                start += n
+
+    def run(self, forward, picks: int, device, autocast, out: torch.Tensor) -> None:
+        """Adds each segment's log-likelihood (out[0]) and greedy flag (out[1]); `picks`:
+        the picked positions padded to this many (0: as many as there are)."""
+        ids = torch.zeros((self.rows, self.width), dtype=torch.long)
+        pos = torch.zeros((self.rows, self.width), dtype=torch.long)
+        docs = torch.full((self.rows, self.width), -1, dtype=torch.long)
+        for b, row in enumerate(self.members):
+            start = 0
+            for d, i in enumerate(row):
+                n = len(self.segs[i].inputs)
+                ids[b, start : start + n] = torch.tensor(self.segs[i].inputs)
+                pos[b, start : start + n] = torch.arange(n)
+                docs[b, start : start + n] = d
+                start += n
+        pad = max(picks - len(self.targets), 0)  # padding: position (0, 0), dropped
+        picked = [torch.tensor(x + [v] * pad, device=device)
+                  for x, v in ((self.at_b, 0), (self.at_t, 0), (self.targets, 0), (self.owner, -1))]  # fmt: skip
+        at_b, at_t, targets, whose = picked
+        whose = torch.where(whose < 0, out.shape[1] - 1, whose)
+        with autocast():
+            ll, miss = forward(ids.to(device), pos.to(device),
+                               docs.to(device) if self.packed else None, at_b, at_t, targets)  # fmt: skip
+        out[0].index_add_(0, whose, ll.double())
+        wrong = torch.zeros_like(out[1]).index_add_(0, whose, miss.double())
+        touched = torch.zeros_like(out[1]).index_add_(
+            0, whose, torch.ones_like(ll, dtype=out.dtype)
+        )
+        out[1] += ((wrong == 0) & (touched > 0)).double()

@@ -110,7 +110,11 @@ class TaskSuite:
         autocast: Callable[[], AbstractContextManager] = nullcontext,
         share: tuple[int, int] = (0, 1),
         all_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+        forward: Callable | None = None,
+        fixed_shapes: bool = False,
+        lockstep: bool = False,
     ) -> Results:
+        """Every task's results (scoring.score says what each argument does)."""
         import time
 
         t0 = time.perf_counter()
@@ -121,7 +125,8 @@ class TaskSuite:
         row_len = max(longest, min(row_tokens, self.window))
         s = scoring.score(gpt, self.segments, row_len=row_len, batch_rows=batch_rows,
                           device=device, packed=packed, autocast=autocast, share=share,
-                          all_sum=all_sum)  # fmt: skip
+                          all_sum=all_sum, forward=forward, fixed_shapes=fixed_shapes,
+                          lockstep=lockstep)  # fmt: skip
         out, at = [], 0
         for task, reqs in zip(self.tasks, self.requests, strict=True):
             end = at + len(reqs)

@@ -2,16 +2,36 @@
 evaluation step, or every `--eval.tasks_every` steps, and at the run's end. The tasks are
 read and tokenized once, with the training dataset's tokenizer, and scored with the model's
 own weights in evaluation mode (the forward of GPT.hidden, in the run's precision). Under
-torchrun each rank scores its share of the packed rows and one all-reduce gathers them.
+torchrun each rank scores its share of the rows and one all-reduce gathers them; under
+FSDP2 the root's weights (embedding, output layer) are gathered for the scoring, each
+block's by its own unit in each forward, so every rank runs as many forwards as the
+busiest (a spare one on a one-token row whose scores are dropped).
 Results go where the validation loss goes: train.log, TensorBoard, W&B and MLflow
 (`tasks/NAME/acc`, `tasks/core`), and the end's report."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from pytrain.config import ConfigError
 from pytrain.tasks.items import read_tasks
 from pytrain.tasks.suite import Results, TaskSuite
 from pytrain.train import distributed
+
+
+@contextmanager
+def root_gathered(root):
+    """FSDP2's root unit (`root`; None: nothing sharded) with its own weights whole: those
+    outside the blocks' units, which its forward would gather and the scoring calls
+    without it (GPT.hidden, GPT.head); sharded again after."""
+    if root is None:
+        yield
+        return
+    root.unshard()
+    try:
+        yield
+    finally:
+        root.reshard()
 
 
 class TaskScores:
@@ -30,11 +50,6 @@ class TaskScores:
         e = trainer.cfg.eval
         if not e.tasks:
             return cls(trainer, None)
-        if trainer.sharded:
-            raise ConfigError(
-                "--eval.tasks scores with whole weights: not under FSDP2 yet (score a "
-                "checkpoint with python -m pytrain.eval RUN --tasks ..., or train with --no-fsdp)"
-            )
         from pytrain import _loader
 
         tokenizer = _loader.read_file(str(trainer.train_path), "tokenizer.json")
@@ -59,11 +74,12 @@ class TaskScores:
         if self.suite is None or not due or step == self.scored_at:
             return None
         t = self.trainer
-        r = self.suite.score(
-            t.gpt, t.device, batch_rows=t.cfg.data.batch_size, row_tokens=t.cfg.data.seq_len,
-            autocast=lambda: t.precision.autocast(t.device), share=(t.dist.rank, t.dist.world_size),
-            all_sum=lambda x: distributed.all_sum_tensor(x, t.dist),
-        )  # fmt: skip
+        with root_gathered(t.module if t.sharded else None):
+            r = self.suite.score(
+                t.gpt, t.device, batch_rows=t.cfg.data.batch_size, row_tokens=t.cfg.data.seq_len,
+                autocast=lambda: t.precision.autocast(t.device), share=(t.dist.rank, t.dist.world_size),
+                all_sum=lambda x: distributed.all_sum_tensor(x, t.dist), lockstep=t.sharded,
+            )  # fmt: skip
         self.last, self.scored_at = r, step
         t.log.scalars(step, r.scalars())
         for line in r.lines():
