@@ -468,6 +468,38 @@ def test_the_survivors_of_a_group_killed_in_the_all_reduce_commit_again_within_s
         assert back - when < 8.0, output(tmp_path, k)[-3000:]
 
 
+def files(root: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in root.rglob("*")}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_group_started_after_the_job_ended_says_so_and_exits_0_writing_nothing(ft_data, tmp_path):
+    """Groups 0 and 1 train the job's 8 steps. Then group 2 starts (a restart that came too
+    late: the peers' checkpoints are at the last step), and group 0 again (its own is): each
+    says in one line that the job is complete and ends with 0 at once, writing nothing, not
+    after ft.quorum_timeout_s with a checkpoint of step 0 and exit 2."""
+    steps = ("--max_steps", "8", "--ft.quorum_timeout_s", "20")
+    with lighthouse(tmp_path, 2) as (addr, _):
+        procs = [start_group(addr, k, ft_data, tmp_path, *steps) for k in range(2)]
+        assert finish(procs, tmp_path) == [0, 0], output(tmp_path, 0)[-3000:]
+        before = files(tmp_path / "runs")
+        for k, whose in ((2, "group0"), (0, "group0")):
+            t0 = time.monotonic()
+            assert start_group(addr, k, ft_data, tmp_path, *steps).wait(timeout=120) == 0, output(
+                tmp_path, k
+            )[-3000:]
+            print(f"group {k} started after the end: exit 0 in {time.monotonic() - t0:.1f}s")
+            said = [x for x in output(tmp_path, k).splitlines() if x.startswith("pytrain.train")]
+            assert said == [
+                f"pytrain.train: the job is complete: {tmp_path}/runs/ft/{whose}/ckpt-00000008.pt "
+                f"is at its last step (max_steps 8); group {k} has nothing to train and wrote "
+                "nothing"
+            ], output(tmp_path, k)
+            assert "Traceback" not in output(tmp_path, k)
+            assert files(tmp_path / "runs") == before
+
+
 def _committed_after(tmp_path: Path, k: int, when: float) -> bool:
     return any(x["committed"] and x["time"] > when for x in ledger(tmp_path, k))
 

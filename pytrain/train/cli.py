@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     """Runs training and returns one of the exit codes above. A user error prints one
     line naming what is wrong, as does a full disk; anything else is a bug or a system
     failure and keeps its traceback."""
-    from pytrain.train.stopping import StoppedInSetUp, StopSignals, exit_code
+    from pytrain.train.stopping import NothingToDo, StoppedInSetUp, StopSignals, exit_code
 
     # First of all: a scheduler's SIGTERM during set-up (imports, resume, the compile
     # warm-up) ends the run with its line and exit code, not by the default action.
@@ -111,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     except StoppedInSetUp as e:
         print(f"pytrain.train: {e}", file=sys.stderr)
         return exit_code(e.signal)
+    except NothingToDo as e:
+        if str(e):
+            print(f"pytrain.train: {e}")
+        return EXIT_OK
     except (ConfigError, LoaderError) as e:
         print(f"pytrain.train: error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR

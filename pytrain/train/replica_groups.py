@@ -26,6 +26,7 @@ import os
 import socket
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import NoReturn
 
 import torch
@@ -33,10 +34,11 @@ import torch.distributed as dist
 
 from pytrain.config import ConfigError, TrainConfig, derive_grad_accum
 from pytrain.config.errors import first_line
-from pytrain.train import distributed, peer_state, run_state, sources
+from pytrain.train import checkpoint, distributed, peer_state, run_state, sources
 from pytrain.train.distributed import DistInfo
 from pytrain.train.guard import PendingStep
 from pytrain.train.step_rows import StepRows
+from pytrain.train.stopping import NothingToDo
 from pytrain.train.trainer import Trainer
 
 
@@ -48,6 +50,17 @@ class HealFailed(RuntimeError):
 class NoQuorum(ConfigError):
     """No quorum of ft.min_replicas groups within ft.quorum_timeout_s (too few groups came,
     or the Lighthouse is down): this group stops at its last committed step, checkpointed."""
+
+
+def job_done(run_dir: Path, max_steps: int) -> Path | None:
+    """A checkpoint of the job's last step (`max_steps`), this group's own (`run_dir`) or a
+    peer group's beside it (runs/NAME/groupN, where the groups share the output directory):
+    the job ended, a group that starts now would wait for a quorum that never forms."""
+    for d in [run_dir, *sorted(run_dir.parent.glob("group*"))]:
+        for ckpt in checkpoint.list_checkpoints(d)[-1:]:
+            if int(checkpoint.PATTERN.match(ckpt.name).group(1)) >= max_steps:  # type: ignore[union-attr]
+                return ckpt
+    return None
 
 
 def trainer_class(cfg: TrainConfig) -> type[Trainer]:
@@ -181,6 +194,13 @@ class ReplicaGroupTrainer(Trainer):
         if (line := derive_grad_accum(cfg, cfg.ft.groups * env.world_size)) and env.is_main:
             log(line)
         cfg.name = f"{cfg.name}/group{cfg.ft.group}"
+        if (done := job_done(Path(cfg.out_dir) / cfg.name, cfg.max_steps)) is not None:
+            raise NothingToDo(
+                f"the job is complete: {done} is at its last step (max_steps {cfg.max_steps}); "
+                f"group {cfg.ft.group} has nothing to train and wrote nothing"
+                if env.is_main
+                else ""
+            )
         super().__init__(cfg, log, stop)
 
     def _build(self) -> None:

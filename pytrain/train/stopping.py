@@ -35,6 +35,12 @@ class StoppedInSetUp(Exception):
         self.signal = name
 
 
+class NothingToDo(Exception):
+    """A run whose steps are all done already (a replica group started after its job
+    ended): its message, where it has one (the main rank's), is the one line said; the
+    process ends with 0, having written nothing."""
+
+
 class StopSignals:
     """Records the first of HANDLED while installed; the loop reads `requested`."""
 
