@@ -15,6 +15,7 @@ from pytrain.config import ConfigError, parse_args
 from pytrain.data.shards import PackOptions, pack
 from pytrain.eval import main as eval_main
 from pytrain.eval import score_tasks
+from pytrain.tasks.scoring import Continuations
 from pytrain.train.cli import main as train_main
 from pytrain.train.trainer import Trainer
 
@@ -83,6 +84,10 @@ def test_tasks_every_and_limit(dataset, tmp_path):
     assert "step 4 tasks: core" in log and "step 5 tasks: core" in log  # every 4, and the end
     assert "step 3 tasks" not in log
     assert t.tasks.last.tasks[0].items == 2
+    # The scoring runs the model the evaluation runs, eagerly as it does on the CPU (where
+    # the run compiles, it is compiled at the evaluation's level: trainer-side, not here).
+    assert isinstance(t.tasks.forward, Continuations) and not t.tasks.compiled
+    assert t.tasks.forward.gpt is t.compiler.eval_module.gpt and t.compiler.eager
 
 
 def test_a_bad_task_file_is_one_line_exit_2_before_anything_runs(dataset, tmp_path, capsys):

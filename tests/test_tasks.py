@@ -201,3 +201,34 @@ def test_accuracies_as_lm_evaluation_harness_defines_them(tmp_path):
     r2 = metrics.task_result(lm, requests(lm), [-1.0, -1.0], [True, False], 0)
     assert (r2.acc, r2.acc_norm, r2.chance, r2.centered) == (0.5, None, 0.0, 0.5)
     assert metrics.core([r, r2]) == pytest.approx(0.0)
+
+
+@pytest.mark.slow  # Dynamo's tracing: 2 s a graph on a free 2-core CPU, more when shared
+def test_compiled_scoring_of_fixed_widths_equals_eager_and_compiles_once_a_width(tmp_path):
+    # What the trainer does where it compiles: rows padded to a few fixed widths (64 and
+    # 128 here) and picks to the most of their width, so the four requests' four lengths
+    # make two graphs, and scoring again makes none. Dynamo's tracing alone (backend "eager"):
+    # Inductor's C++ compile would take a minute on a CPU.
+    from torch._dynamo.utils import counters
+
+    items = [{"context": "x" * n + " is", "choices": ["a", "bcde"], "gold": 0} for n in (10, 70)]
+    suite = TaskSuite(read_tasks([str(write_jsonl(tmp_path / "w.jsonl", items))]), byte_encode,
+                      0, window=128)  # fmt: skip
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=128, n_layer=1, n_head=2, d_model=32, max_seq_len=128)
+    gpt, cpu = GPT(cfg).eval(), torch.device("cpu")
+    eager = scoring.score(gpt, suite.segments, row_len=128, batch_rows=1, device=cpu, packed=False)
+    assert len({len(s.inputs) for s in suite.segments}) == 4
+    compiled = torch.compile(scoring.Continuations(gpt), backend="eager", dynamic=False)
+    graphs = []
+    for _ in range(2):
+        before = counters["stats"]["unique_graphs"]
+        r = scoring.score(gpt, suite.segments, row_len=128, batch_rows=1, device=cpu,
+                          packed=False, forward=compiled, fixed_shapes=True)  # fmt: skip
+        graphs.append(counters["stats"]["unique_graphs"] - before)
+        assert r.loglik == pytest.approx(eager.loglik, abs=1e-5) and r.greedy == eager.greedy
+    assert graphs == [2, 0]
+    assert (eager.tokens, r.tokens) == (
+        sum(len(s.inputs) for s in suite.segments),
+        2 * (64 + 128),
+    )

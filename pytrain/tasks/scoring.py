@@ -156,7 +156,7 @@ def score(
     of that width has (one compiled graph a width). `lockstep`: every rank runs as many
     forwards as the busiest, the spare ones on a one-token row whose scores are dropped
     (FSDP2 gathers each block's weights in every forward, on every rank)."""
-    forward = forward or Continuations(gpt)
+    forward = Continuations(gpt) if forward is None else forward
     lengths = [len(s.inputs) for s in segs]
     rows = pack_rows(lengths, row_len) if packed else one_per_row(lengths)
     batches = [_Batch(segs, rows[i : i + batch_rows], packed)

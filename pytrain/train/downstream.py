@@ -1,7 +1,9 @@
 """Downstream tasks scored as the model trains (`--eval.tasks`, pytrain.tasks): at each
 evaluation step, or every `--eval.tasks_every` steps, and at the run's end. The tasks are
 read and tokenized once, with the training dataset's tokenizer, and scored with the model's
-own weights in evaluation mode (the forward of GPT.hidden, in the run's precision). Under
+own weights in evaluation mode, in the run's precision, through the module the evaluation
+runs (pytrain.tasks.scoring.Continuations over it), compiled where the run compiles, its
+rows padded to a few fixed widths so that each width compiles once. Under
 torchrun each rank scores its share of the rows and one all-reduce gathers them; under
 FSDP2 the root's weights (embedding, output layer) are gathered for the scoring, each
 block's by its own unit in each forward, so every rank runs as many forwards as the
@@ -13,10 +15,13 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import torch
+
 from pytrain.config import ConfigError
 from pytrain.tasks.items import read_tasks
+from pytrain.tasks.scoring import Continuations
 from pytrain.tasks.suite import Results, TaskSuite
-from pytrain.train import distributed
+from pytrain.train import compile_policy, distributed
 
 
 @contextmanager
@@ -42,6 +47,18 @@ class TaskScores:
         self.every = trainer.cfg.eval.tasks_every
         self.last: Results | None = None
         self.scored_at = -1
+        self.forward, self.compiled = self._forward(trainer) if suite else (None, False)
+
+    @staticmethod
+    def _forward(trainer) -> tuple[torch.nn.Module, bool]:
+        """(the scoring forward, whether compiled): the model the evaluation runs, compiled
+        at the evaluation's level where the run compiles and its weights are whole (under
+        FSDP2 it runs eagerly, its blocks' units gathering their weights)."""
+        c = trainer.compiler
+        module = Continuations(c.eval_module.gpt if not trainer.sharded else trainer.gpt)
+        if c.eager or trainer.sharded:
+            return module, False
+        return compile_policy.compile_model(module, c.eval_mode), True
 
     @classmethod
     def of(cls, trainer) -> TaskScores:
@@ -67,6 +84,16 @@ class TaskScores:
                                     trainer.gpt.cfg.max_seq_len, e.tasks_limit)  # fmt: skip
         return cls(trainer, suite)
 
+    def _score(self) -> Results:
+        t = self.trainer
+        with root_gathered(t.module if t.sharded else None):
+            return self.suite.score(
+                t.gpt, t.device, batch_rows=t.cfg.data.batch_size, row_tokens=t.cfg.data.seq_len,
+                autocast=lambda: t.precision.autocast(t.device), share=(t.dist.rank, t.dist.world_size),
+                all_sum=lambda x: distributed.all_sum_tensor(x, t.dist), forward=self.forward,
+                fixed_shapes=self.compiled, lockstep=t.sharded,
+            )  # fmt: skip
+
     def at(self, step: int, eval_due: bool, end: bool = False) -> Results | None:
         """Scores the tasks at `step` where they are due: at the run's `end`, at a multiple
         of tasks_every, or, where that is 0, at an evaluation step; once a step."""
@@ -74,12 +101,19 @@ class TaskScores:
         if self.suite is None or not due or step == self.scored_at:
             return None
         t = self.trainer
-        with root_gathered(t.module if t.sharded else None):
-            r = self.suite.score(
-                t.gpt, t.device, batch_rows=t.cfg.data.batch_size, row_tokens=t.cfg.data.seq_len,
-                autocast=lambda: t.precision.autocast(t.device), share=(t.dist.rank, t.dist.world_size),
-                all_sum=lambda x: distributed.all_sum_tensor(x, t.dist), lockstep=t.sharded,
-            )  # fmt: skip
+        graphs = compile_policy.compiled_graphs()
+        try:
+            r = self._score()
+        except Exception as e:  # a compile failure: scored eagerly from here on
+            if not (self.compiled and compile_policy.is_compile_failure(e)):
+                raise
+            t.say(f"compile fallback (tasks): {compile_policy.failure_line(e)}; scoring eagerly")
+            self.forward, self.compiled = Continuations(t.gpt), False
+            r = self._score()
+        if self.compiled and t.compiler.expected_graphs >= 0:
+            # The tasks' graphs (one a row width, compiled at the first scoring: the same
+            # rows every time) are not training's recompiles.
+            t.compiler.expected_graphs += compile_policy.compiled_graphs() - graphs
         self.last, self.scored_at = r, step
         t.log.scalars(step, r.scalars())
         for line in r.lines():
