@@ -77,8 +77,8 @@ Qwen3's, and no bias: --model.aux_loss, --model.balance_rate). "torchtitan fp8 e
 its float8 converter for MoE (`quantize.grouped_mm.float8`, fqns "experts": torchao's
 dynamic rowwise float8 grouped GEMMs, every other layer in bf16); 0.2.2 imports torchao's
 MoETrainingConfig, which torchao 0.17 renamed Float8TrainingOpConfig (the same recipe): the
-worker gives it the old name where missing. Ours has no float8 path for experts yet: no ours
-fp8 row unless asked for by name. Ours trains on synthetic ids at 151936. MFU over the
+worker gives it the old name where missing. "ours fp8 experts" is the same recipe through
+the same torchao function (--model.moe_kernel float8), asked for by name. Ours trains on synthetic ids at 151936. MFU over the
 active parameters (flops_per_token): 6 N_active + 12 L H d T, N_active a token's attention
 (q, k, v, o, norms), router (dim x experts), top_k experts (3 x dim x expert_hidden each),
 final norm and output layer (dim x vocab): 6.21 GFLOP a token at 4096, what torchtitan's
@@ -133,10 +133,13 @@ PEAK_TFLOPS = 989.0  # H100 SXM dense bf16
 OURS_RUNS = {"bf16": ["--model.float8_head", "off"], "preset": [],
              "fp8": ["--model.float8", "tensorwise"],
              "fp8 output-bf16": ["--model.float8", "tensorwise", "--model.float8_head", "off"],
-             "fp8 rowwise": ["--model.float8", "rowwise"]}  # fmt: skip
+             "fp8 rowwise": ["--model.float8", "rowwise"],
+             "fp8 experts": ["--model.moe_kernel", "float8", "--model.float8_head", "off"]}  # fmt: skip
 """Ours' runs: the preset's flags each adds. "fp8 output-bf16" leaves the whole output layer
 in bf16, as torchtitan's recipes do; "rowwise" is torchao's recipe of a scale a row (finer
-than a tensor's, slower, and without the float8 all-gathers)."""
+than a tensor's, slower, and without the float8 all-gathers); "fp8 experts" (an MoE shape's)
+the experts' grouped GEMMs in FP8 with rowwise scales through torchao's MoE path, every
+other layer in bf16, as torchtitan's "fp8 experts"."""
 TITAN_RUNS: dict[str, tuple[str, list[str]] | None] = {
     "bf16": None,
     "fp8": ("tensorwise", []),

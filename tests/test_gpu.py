@@ -864,3 +864,37 @@ def test_a_compiled_moe_step_runs_without_a_host_sync(tmp_path: Path):
         loop = t.gpt.loss_sum(*args).float()
     assert abs(grouped.item() - loop.item()) <= 2e-3 * abs(loop.item())
     t.close()
+
+
+@needs_cuda
+def test_float8_experts_are_the_grouped_gemms_within_fp8_rounding():
+    """model.moe_kernel float8: the experts' SwiGLU through torchao's FP8 rowwise grouped
+    GEMMs, forward and backward, against the bf16 grouped GEMMs on the same tokens, with
+    experts of uneven rows (not multiples of 16, one of none): within FP8's rounding (e4m3
+    keeps 3 mantissa bits: a few percent of each tensor's norm)."""
+    pytest.importorskip("torchao.prototype.moe_training")
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs FP8 matmuls (Ada, Hopper or later)")
+    from pytrain.model.moe import float8_grouped_mm, grouped_swiglu
+
+    torch.manual_seed(0)
+    E, d, h = 8, 256, 512
+    counts = torch.tensor([37, 0, 128, 5, 300, 64, 17, 200], device="cuda")
+    offsets = counts.cumsum(0).to(torch.int32)
+    x = torch.randn(int(counts.sum()), d, device="cuda", dtype=torch.bfloat16)
+    up = (0.02 * torch.randn(E, 2 * h, d, device="cuda")).bfloat16()
+    down = (0.02 * torch.randn(E, d, h, device="cuda")).bfloat16()
+    outs, grads = [], []
+    for mm in (torch._grouped_mm, float8_grouped_mm):
+        xs, us, ds = (t.detach().clone().requires_grad_() for t in (x, up, down))
+        y = grouped_swiglu(xs, us, ds, offsets, mm)
+        y.float().square().sum().backward()
+        outs.append(y.float())
+        grads.append([t.grad.float() for t in (xs, us, ds)])
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    assert rel(outs[1], outs[0]) < 0.08, rel(outs[1], outs[0])
+    for name, a, b in zip(("x", "up", "down"), grads[1], grads[0], strict=True):
+        assert rel(a, b) < 0.15, (name, rel(a, b))

@@ -89,6 +89,10 @@ def test_embedded_default_trains_logs_checkpoints_and_resumes(tmp_path):
         # asserts nothing was built: it ran after that build, minutes into a first run).
         (["--model.fused_swiglu", "quack", "--device", "cpu"], "fused_swiglu=quack needs a CUDA"),
         (["--model.attention", "fa4", "--device", "cpu"], "attention 'fa4' needs a Hopper"),
+        (
+            ["--model.family", "moe", "--model.moe_kernel", "float8", "--device", "cpu"],
+            "model.moe_kernel=float8 needs an NVIDIA GPU with FP8 matmuls",
+        ),
         (["--model.n_head", "5"], "model.d_model 256 is not a multiple of model.n_head 5"),
         (["--precision", "fp8"], "precision is 'fp8'; expected one of auto, bf16, fp16, fp32"),
         (["--compile.mode", "fast"], "compile.mode is 'fast'; expected one of auto, reduce-over"),

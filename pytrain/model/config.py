@@ -30,7 +30,7 @@ CHOICES = {
     "router_score": ("softmax", "sigmoid"),
     "qk_norm_scope": ("head", "projection"),
     "aux_loss_scope": ("layer", "model"),
-    "moe_kernel": ("auto", "grouped", "loop"),
+    "moe_kernel": ("auto", "grouped", "loop", "float8"),
 }
 """The settings that take one of a few words, and the words: checked where the command line
 and presets are read (one line naming the setting) and where a model is built."""
@@ -154,7 +154,9 @@ class ModelConfig:
     moe_kernel: str = "auto"
     """The experts' matmuls: 'grouped' (torch._grouped_mm over the tokens sorted by expert,
     no host sync), 'loop' (one matmul an expert: the reference), 'auto' (grouped on CUDA,
-    loop elsewhere)."""
+    loop elsewhere), 'float8' (grouped in FP8 with rowwise scales in training, through
+    torchao's MoE path, as torchtitan's float8 experts; GPUs with FP8 matmuls; evaluation
+    stays grouped in bf16)."""
 
     @classmethod
     def from_saved(cls, model: dict) -> ModelConfig:

@@ -28,13 +28,43 @@ from pytrain.model.config import ModelConfig
 from pytrain.model.gpt import GPT, MLP, compute_dtype
 
 
-def grouped_swiglu(x, up, down, offsets) -> torch.Tensor:
+def grouped_swiglu(x, up, down, offsets, mm=torch._grouped_mm) -> torch.Tensor:
     """The experts' SwiGLU over tokens sorted by expert: x (N, d) in the compute dtype,
     up (E, 2h, d), down (E, d, h), offsets (E,) int32, each the end of an expert's rows.
-    Two grouped GEMMs (torch._grouped_mm), no host sync."""
-    u = torch._grouped_mm(x, up.transpose(-2, -1), offs=offsets)
+    Two grouped GEMMs (`mm`: torch._grouped_mm, or float8_grouped_mm), no host sync. The
+    weights' transposes are column-major within each expert, as both kernels take them."""
+    u = mm(x, up.transpose(-2, -1), offs=offsets)
     a, b = u.chunk(2, dim=-1)
-    return torch._grouped_mm(F.silu(a) * b, down.transpose(-2, -1), offs=offsets)
+    return mm(F.silu(a) * b, down.transpose(-2, -1), offs=offsets)
+
+
+def float8_grouped_mm(x, w_t, offs) -> torch.Tensor:
+    """torch._grouped_mm in FP8 (e4m3, a scale for each row of the tokens and each column of
+    an expert's weight, rounded to powers of 2), forward and backward: torchao's MoE training
+    path, which pads each expert's rows to the 16 its kernel needs. Output in x's dtype."""
+    from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
+
+    return _to_fp8_rowwise_then_scaled_grouped_mm(x, w_t, offs, out_dtype=x.dtype)
+
+
+def check_float8_experts(cfg: ModelConfig, device: torch.device) -> None:
+    """ConfigError, one line, where model.moe_kernel float8 cannot run here."""
+    from pytrain.config import ConfigError
+
+    if cfg.moe_kernel != "float8":
+        return
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+        raise ConfigError(
+            "model.moe_kernel=float8 needs an NVIDIA GPU with FP8 matmuls (Ada, Hopper or "
+            f"later); this run is on {device}"
+        )
+    try:
+        from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(
+            f"model.moe_kernel=float8 needs torchao's MoE training path, which does not "
+            f"import here ({e}): pip install 'pytrain[float8]'"
+        ) from None
 
 
 def looped_swiglu(x, up, down, counts) -> torch.Tensor:
@@ -67,12 +97,13 @@ class Experts(nn.Module):
         up, down = (w.to_local() if hasattr(w, "to_local") else w for w in (self.up, self.down))
         up, down, x = up.to(dtype), down.to(dtype), x.to(dtype)
         kernel = self.kernel
-        if kernel == "auto":
+        if kernel == "auto" or (kernel == "float8" and not self.training):
             kernel = "grouped" if x.is_cuda else "loop"
-        if kernel == "grouped":
-            offsets = counts.cumsum(0).to(torch.int32)
-            return grouped_swiglu(x, up, down, offsets)
-        return looped_swiglu(x, up, down, counts)
+        if kernel == "loop":
+            return looped_swiglu(x, up, down, counts)
+        offsets = counts.cumsum(0).to(torch.int32)
+        mm = float8_grouped_mm if kernel == "float8" else torch._grouped_mm
+        return grouped_swiglu(x, up, down, offsets, mm)
 
 
 class MoE(nn.Module):

@@ -150,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def check_model_here(cfg) -> None:
     """ConfigError, one line, for a model setting this machine cannot run (quack's MLP, FA4
-    attention), found from the device and precision alone, as the model's build would."""
+    attention, float8 experts), found from the device and precision alone, as the model's
+    build would."""
     import torch
 
     from pytrain.config import ConfigError
@@ -161,6 +162,10 @@ def check_model_here(cfg) -> None:
     device = distributed.resolve_device(cfg.device, distributed.from_env())
     dtype = choose_precision(cfg.precision, device).dtype or torch.float32
     quack_swiglu.check(cfg.model, device, dtype)
+    if cfg.model.family == "moe":
+        from pytrain.model.moe import check_float8_experts
+
+        check_float8_experts(cfg.model, device)
     if cfg.model.attention == "fa4" and not (
         device.type == "cuda" and flash4.available(device.index or 0)
     ):
