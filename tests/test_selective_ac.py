@@ -109,7 +109,7 @@ def test_selective_equals_no_checkpointing_and_keeps_less(model):
 
 def test_the_policy_keeps_attention_matmuls_and_collectives():
     """What is kept, by op: attention (this CPU's SDPA, FlexAttention's operator, FA4's op),
-    matmuls (the fused GELU's up projection too), collectives; not elementwise ops, nor
+    matmuls (the fused GELU's up projection and a mixture's grouped GEMMs too), collectives; not elementwise ops, nor
     SwiGLU's op, nor an op that writes into its arguments (eager would skip the write on
     recompute)."""
     import pytrain.model.fused_gelu  # noqa: F401  (registers pytrain::gelu_up)
@@ -123,6 +123,8 @@ def test_the_policy_keeps_attention_matmuls_and_collectives():
         aten.addmm.default,
         aten.bmm.default,
         aten._scaled_mm.default,
+        aten._grouped_mm.default,  # a mixture's experts
+        aten._scaled_grouped_mm.default,
         torch.ops.pytrain.gelu_up.default,
         torch.ops._c10d_functional.all_gather_into_tensor.default,
         torch.ops._c10d_functional.reduce_scatter_tensor.default,

@@ -55,6 +55,10 @@ MATMULS = {
     "aten::addmm",
     "aten::bmm",
     "aten::_scaled_mm",  # torchao's float8 linear layers
+    # A mixture of experts' grouped GEMMs (pytrain.model.moe), bf16 and FP8: the experts'
+    # FLOPs; recomputed, the backward would run the experts' whole forward again.
+    "aten::_grouped_mm",
+    "aten::_scaled_grouped_mm",
     "pytrain::gelu_up",  # the GELU MLP's up projection with GELU in its epilogue (fused_gelu)
     # quack's GEMMs: the SwiGLU MLP of pytrain.model.quack_swiglu (its up projection with
     # the activation in its epilogue, gemm_gated_out; its down projection, gemm_out). Only a
