@@ -383,6 +383,8 @@ def test_a_group_killed_twice_heals_from_a_peer_and_every_row_is_trained_once(
     # after the others had started).
     assert len({x["pid"] for x in ledger(tmp_path, 2)}) == 3
     assert output(tmp_path, 2).count("healed from a peer at step") >= 2
+    for k in range(2):  # each sent group 2 its state twice
+        assert_quiet(tmp_path, k)
     by_step = assert_every_row_once(tmp_path, ft_data)
     assert {lines[0]["groups"] for lines in by_step.values()} == {2, 3}  # the global batch kept
     assert_same_state(tmp_path, range(GROUPS))
@@ -466,6 +468,22 @@ def test_the_survivors_of_a_group_killed_in_the_all_reduce_commit_again_within_s
         back = min(x["time"] for x in ledger(tmp_path, k) if x["committed"] and x["time"] > when)
         print(f"group {k} committed again {back - when:.2f}s after group {groups - 1} died")
         assert back - when < 8.0, output(tmp_path, k)[-3000:]
+        assert assert_quiet(tmp_path, k) > 0  # the step group 3 died in
+
+
+def assert_quiet(tmp_path: Path, k: int) -> int:
+    """Group k's terminal says a line for each step attempt that failed (its ledger's), the
+    detail in its torchft.log; no traceback, warning or HTTP request line of torchft, gloo or
+    torch, and no DDP announced for a group of one rank. Returns the failed attempts."""
+    out, failed = output(tmp_path, k), [x for x in ledger(tmp_path, k) if not x["committed"]]
+    said = [x for x in out.splitlines() if " not committed under this quorum " in x]
+    assert len(said) == len(failed), out
+    log = tmp_path / "runs" / "ft" / f"group{k}" / "torchft.log"
+    assert all(x.endswith(f"tried again (detail in {log})") for x in said), said
+    assert not failed or "Traceback" in log.read_text()
+    for noise in ("Traceback", "Warning", "HTTP/1.1", "DDP"):
+        assert noise not in out, out
+    return len(failed)
 
 
 def files(root: Path) -> dict[str, tuple[int, int]]:

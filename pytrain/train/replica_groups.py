@@ -21,8 +21,10 @@ Each group writes its own checkpoints under runs/NAME/groupN/."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import socket
 import time
 from datetime import timedelta
@@ -206,6 +208,11 @@ class ReplicaGroupTrainer(Trainer):
     def _build(self) -> None:
         super()._build()
         cfg = self.cfg
+        if self.dist.world_size == 1:  # DDP of one rank: nothing said of it
+            self.plan = dataclasses.replace(
+                self.plan, line=f"data parallel: replica group {cfg.ft.group} of {cfg.ft.groups}, "
+                "one rank; gradients summed over the step's quorum of groups by torchft",
+            )  # fmt: skip
         self.rows = (
             cfg.data.batch_size * cfg.optim.grad_accum * self.dist.world_size * cfg.ft.groups
         )
@@ -223,6 +230,11 @@ class ReplicaGroupTrainer(Trainer):
         self.rows_feed.quorum = self._quorum
         # The loop reads it as it reads a DeviceFeed: take, prefetch, state_dict, close.
         self.feed = self.rows_feed  # type: ignore[assignment]
+        from pytrain.train import ft_logs
+
+        rank = self.dist.rank
+        self.ft_log = self.run_dir / (ft_logs.LOG_NAME if rank == 0 else f"torchft-rank{rank}.log")
+        self._ft_handler = ft_logs.log_to(self.ft_log)
         self.manager = self._manager()
         # One ledger a group, written by its rank 0: a line a step attempt.
         self.ledger = (self.run_dir / "ledger.jsonl").open("a") if self.dist.is_main else None
@@ -232,7 +244,9 @@ class ReplicaGroupTrainer(Trainer):
     def _manager(self):
         ft, tf = self.cfg.ft, self.torchft
         timeout = timedelta(seconds=ft.timeout_s)
-        cross = tf.ProcessGroupBabyNCCL if self.device.type == "cuda" else tf.ProcessGroupGloo
+        from pytrain.train import ft_logs
+
+        cross = ft_logs.QuietBabyNCCL if self.device.type == "cuda" else ft_logs.QuietGloo
         host, port = group_store()
         self.cross_pg = cross(timeout=timeout)
         try:
@@ -257,6 +271,7 @@ class ReplicaGroupTrainer(Trainer):
             raise NoQuorum(
                 f"no Lighthouse at ft.lighthouse {ft.lighthouse}: {first_line(e)}"
             ) from None
+        ft_logs.quiet_http(manager._checkpoint_transport)
         # A group that resumed from its checkpoint starts its torchft step there.
         manager.load_state_dict({"step": self.step, "batches_committed": self.step * ft.groups})
         return manager
@@ -329,12 +344,24 @@ class ReplicaGroupTrainer(Trainer):
         )  # fmt: skip
         self._write_ledger(total is not None, time.perf_counter() - t0)
         if total is None:
+            self.say(f"step {self.step + 1} not committed under this quorum of {size} group(s): "
+                     f"{self._why_not()}; tried again (detail in {self.ft_log})")  # fmt: skip
             self.gpt.discard_step()  # its rows are given back: so is what they routed
             return None
         self.rows_feed.commit()
         loss = distributed.all_sum_tensor(total, self.dist) / denom
         tokens = self.rows * self.cfg.data.seq_len
         return self.update(loss, denom, tokens, fallbacks, self.stop.agreed(*votes))
+
+    def _why_not(self) -> str:
+        """Why the step's vote failed, in a few words: this rank's error (gloo's message
+        without its source location and advice), or the vote's other causes."""
+        if (e := self.manager.errored()) is not None:
+            e = getattr(e, "original_exception", e)
+            return re.sub(r"^\[[^\]]*\] ", "", first_line(e)).split(". ")[0]
+        if self.manager.num_participants() < self.cfg.ft.min_replicas:
+            return f"fewer groups than ft.min_replicas {self.cfg.ft.min_replicas}"
+        return "another rank of this group failed its part"
 
     def _grads(self) -> list[torch.Tensor]:
         """This rank's gradients as the group reduced them (a shard's under FSDP2; the fp32
@@ -378,4 +405,7 @@ class ReplicaGroupTrainer(Trainer):
         if self.ledger is not None:
             self.ledger.close()
         self.manager.shutdown(wait=False)
+        from pytrain.train import ft_logs
+
+        ft_logs.stop(self._ft_handler)
         super().close(status)
