@@ -469,6 +469,21 @@ def test_the_survivors_of_a_group_killed_in_the_all_reduce_commit_again_within_s
         print(f"group {k} committed again {back - when:.2f}s after group {groups - 1} died")
         assert back - when < 8.0, output(tmp_path, k)[-3000:]
         assert assert_quiet(tmp_path, k) > 0  # the step group 3 died in
+    # The ledger names each attempt's quorum: torchft's id and its groups by place, alike in
+    # every line of the quorum; the step group 3 died in failed under a quorum of all four,
+    # and was tried again under a new one of the three others.
+    lines = [x for k in range(groups) for x in ledger(tmp_path, k)]
+    assert all(len(x["members"]) == x["groups"] and x["members"][x["place"]] == x["group"]
+               for x in lines)  # fmt: skip
+    quorums = collections.defaultdict(set)
+    for x in lines:
+        quorums[x["step"], x["quorum"]].add(tuple(x["members"]))
+    assert all(len(members) == 1 for members in quorums.values()), quorums
+    failed = [x for x in lines if not x["committed"]]
+    after = [x for x in lines if x["step"] == failed[0]["step"] and x["committed"]]
+    assert {len(x["members"]) for x in failed} == {4} and {x["group"] for x in failed} == {0, 1, 2}
+    assert {tuple(sorted(x["members"])) for x in after} == {(0, 1, 2)}
+    assert {x["quorum"] for x in failed}.isdisjoint(x["quorum"] for x in after)
 
 
 def assert_quiet(tmp_path: Path, k: int) -> int:

@@ -129,12 +129,15 @@ def quorum_mismatch(summed: torch.Tensor, groups: int, size: int, step: int) -> 
 
 
 def sum_over_groups(manager, pg, tensors: list[torch.Tensor], loss: torch.Tensor,
-                    tag: torch.Tensor, check) -> torch.Tensor | None:  # fmt: skip
+                    tag: torch.Tensor, check, times: dict | None = None) -> torch.Tensor | None:  # fmt: skip
     """Sums `tensors` (in place), `loss` and `tag` (quorum_tag) over the groups of the step's
     quorum, in one all-reduce through torchft, then asks whether the step commits. Returns
     the summed loss, or None where it does not (an all-reduce that failed, a group that failed
     its vote, too few groups, or `check(summed tag)`'s mismatch): the tensors are then left
-    as they were, to be dropped.
+    as they were, to be dropped. `times` gets the milliseconds of the parts: copy_ms, the
+    tensors' copy into the all-reduce's buffer (on a GPU timed by CUDA events, read once the
+    vote has synchronized; the copy back out is as large); allreduce_ms, the all-reduce's
+    wait; vote_ms, torchft's should_commit.
 
     An all-reduce that fails closes `pg` (the Manager's process group between groups) at
     once. A group that dies mid all-reduce is seen at once only by the groups that exchange
@@ -153,20 +156,49 @@ def sum_over_groups(manager, pg, tensors: list[torch.Tensor], loss: torch.Tensor
     restarted mid-step, a group of the old quorum of three summed with two of the new quorum
     of two (their shares overlapping) and committed alone. Such a step commits nowhere; the
     failed vote moves the Lighthouse to a new id, under which every group re-forms."""
+    clock = _Clock(loss.device)
     flat = torch.cat([t.reshape(-1).float() for t in tensors]
                      + [loss.reshape(1).float(), tag.to(loss.device)])  # fmt: skip
+    copied = clock.mark()
     manager.allreduce(flat, reduce_op=dist.ReduceOp.SUM).wait()
+    summed = time.perf_counter()
     if manager.errored() is not None:
         close(pg)
     elif (why := check(flat[-tag.numel() :].cpu())) is not None:
         manager.report_error(RuntimeError(f"the step's all-reduce mixed quorums: {why}"))
-    if not manager.should_commit():
+    summed_s, commit = time.perf_counter() - summed, manager.should_commit()
+    if times is not None:
+        times["copy_ms"] = clock.ms(copied)
+        times["allreduce_ms"] = (summed - clock.t0) * 1e3 - times["copy_ms"]
+        times["vote_ms"] = (time.perf_counter() - summed - summed_s) * 1e3
+    if not commit:
         return None
     at = 0
     for t in tensors:
         t.copy_(flat[at : at + t.numel()].view_as(t))
         at += t.numel()
     return flat[at]
+
+
+class _Clock:
+    """Milliseconds from its making to a mark: the host's clock, a GPU's events on CUDA."""
+
+    def __init__(self, device: torch.device):
+        self.t0 = time.perf_counter()
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        return end
+
+    def ms(self, mark) -> float:
+        return self.start.elapsed_time(mark) if self.cuda else (mark - self.t0) * 1e3
 
 
 def close(pg) -> None:
@@ -179,6 +211,30 @@ def close(pg) -> None:
         pg.shutdown()
     else:
         pg.abort()
+
+
+class QuorumRecorder:
+    """torchft's ManagerClient (a Manager's `_client`), keeping the last quorum it was
+    given: its id and its members, for the ledger."""
+
+    def __init__(self, client):
+        self._client = client
+        self.last = None
+
+    def _quorum(self, *args, **kwargs):
+        self.last = self._client._quorum(*args, **kwargs)
+        return self.last
+
+    def __getattr__(self, name: str):
+        return getattr(self._client, name)
+
+    def id_and_members(self) -> tuple[int | None, list[int]]:
+        """The last quorum's id and its groups (ft.group) by their place in it (torchft's
+        replica ids are groupN:UUID)."""
+        if self.last is None:
+            return None, []
+        ids = self.last.replica_ids
+        return self.last.quorum_id, [int(r.split(":")[0].removeprefix("group")) for r in ids]
 
 
 class ReplicaGroupTrainer(Trainer):
@@ -272,6 +328,7 @@ class ReplicaGroupTrainer(Trainer):
                 f"no Lighthouse at ft.lighthouse {ft.lighthouse}: {first_line(e)}"
             ) from None
         ft_logs.quiet_http(manager._checkpoint_transport)
+        manager._client = self.quorums = QuorumRecorder(manager._client)
         # A group that resumed from its checkpoint starts its torchft step there.
         manager.load_state_dict({"step": self.step, "batches_committed": self.step * ft.groups})
         return manager
@@ -337,12 +394,12 @@ class ReplicaGroupTrainer(Trainer):
             self.manager.participating_rank(),
             self.manager.num_participants(),
         )
-        tag = quorum_tag(ft.group, ft.groups, place, size, self.step)
+        tag, times = quorum_tag(ft.group, ft.groups, place, size, self.step), {}
         total = sum_over_groups(
             self.manager, self.cross_pg, self._grads() + self.gpt.step_sums(), loss_sum, tag,
-            lambda summed: quorum_mismatch(summed, ft.groups, size, self.step),
+            lambda summed: quorum_mismatch(summed, ft.groups, size, self.step), times,
         )  # fmt: skip
-        self._write_ledger(total is not None, time.perf_counter() - t0)
+        self._write_ledger(total is not None, time.perf_counter() - t0, times)
         if total is None:
             self.say(f"step {self.step + 1} not committed under this quorum of {size} group(s): "
                      f"{self._why_not()}; tried again (detail in {self.ft_log})")  # fmt: skip
@@ -381,22 +438,27 @@ class ReplicaGroupTrainer(Trainer):
                 out.append(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
         return out
 
-    def _write_ledger(self, committed: bool, sync_s: float) -> None:
+    def _write_ledger(self, committed: bool, sync_s: float, times: dict) -> None:
         """A line of the group's ledger for this step attempt: the step's rows of the global
         order ([first, last]: a committed line says all of them were trained, as torchft's
-        all-reduce completed only with every group's share in it), this group's share of them
+        all-reduce completed only with every group's share in it), the quorum it was tried
+        under (torchft's id, and its groups by their places), this group's share of the rows
         and its CRC-32, whether the step counted, and what torchft's part took: the quorum
-        (a heal included) and the all-reduce with the commit vote."""
+        (a heal included), and the all-reduce with the commit vote (sync_ms), split into
+        the gradients' copy into its buffer, the all-reduce and the vote (sum_over_groups)."""
         if self.ledger is None:
             return
         start = self.step * self.rows
         first, end = self.rows_feed.group_rows
+        quorum, members = self.quorums.id_and_members()
         line = {
             "step": self.step, "committed": committed, "rows": [start, start + self.rows - 1],
             "group": self.cfg.ft.group, "place": self.manager.participating_rank(),
-            "groups": self.manager.num_participants(), "share": [start + first, start + end - 1],
+            "groups": self.manager.num_participants(), "quorum": quorum, "members": members,
+            "share": [start + first, start + end - 1],
             "crc": self.rows_feed.group_crc(), "pid": os.getpid(), "time": time.time(),
             "quorum_ms": round(self._quorum_s * 1e3, 2), "sync_ms": round(sync_s * 1e3, 2),
+            **{k: round(v, 2) for k, v in times.items()},
         }  # fmt: skip
         self.ledger.write(json.dumps(line) + "\n")
         self.ledger.flush()
