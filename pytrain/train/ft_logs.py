@@ -88,9 +88,17 @@ class QuietGloo(ProcessGroupGloo):
 
 class QuietBabyNCCL(ProcessGroupBabyNCCL):
     """torchft's NCCL process group between groups (in a subprocess of its own, made anew
-    at each reconfiguration), without the deprecation's line."""
+    at each reconfiguration), without the deprecation's line, and shut down without the
+    subprocess's tracebacks: it is killed before its pipes are closed (torchft closes them
+    first, and the subprocess, reading from them, prints its EOFError on the terminal)."""
 
     @classmethod
     def _create_pg(cls, store, rank: int, world_size: int):
         spend_sequence_warning()
         return super()._create_pg(store, rank, world_size)
+
+    def shutdown(self) -> None:
+        if self._p is not None:
+            self._p.kill()
+            self._p.join()
+        super().shutdown()
