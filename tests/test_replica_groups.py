@@ -109,17 +109,18 @@ def _start_lighthouse(tmp_path: Path, min_replicas: int, port: int) -> subproces
     return subprocess.Popen(cmd, stdout=log, stderr=log, env=ENV)
 
 
-def start_group(addr, k, data, tmp_path, *extra, restarts=0, pace=0.0, ranks=1, env=None) -> subprocess.Popen:  # fmt: skip
+def start_group(addr, k, data, tmp_path, *extra, restarts=0, pace=0.0, ranks=1, env=None,
+                out="group{k}") -> subprocess.Popen:  # fmt: skip
     """Replica group k: a torchrun job of `ranks` ranks (tests/replica_group_worker.py, each
     step of a smaller quorum held to `pace` seconds, `env` added to its environment), its
-    output in tmp_path/group{k}.out."""
+    output in tmp_path/group{k}.out (`out`)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
            f"--master_port={next(PORTS)}", f"--max-restarts={restarts}", str(WORKER), str(pace),
            *_flags(data, tmp_path / "runs", "--optim.grad_accum", "1", "--ft.lighthouse", addr,
                    "--ft.group", str(k), "--ft.groups", str(GROUPS), "--ft.min_replicas", "2",
                    "--ft.timeout_s", "10", "--ft.quorum_timeout_s", "60", *extra)]  # fmt: skip
-    out = open(tmp_path / f"group{k}.out", "w")  # noqa: SIM115
-    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**ENV, **(env or {})},
+    log = open(tmp_path / f"{out.format(k=k)}.out", "w")  # noqa: SIM115
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**ENV, **(env or {})},
                             text=True)  # fmt: skip
 
 
@@ -445,7 +446,7 @@ def test_under_slurm_a_killed_group_heals_and_every_row_is_trained_once(
 
 
 @pytest.mark.slow
-def test_the_survivors_of_a_group_killed_in_the_all_reduce_commit_again_within_seconds(
+def test_a_group_killed_in_the_all_reduce_holds_the_others_up_seconds_and_a_late_restart_ends(
     ft_data, tmp_path
 ):
     """Four groups, three needed for a quorum; group 3's rank dies where it would join a
@@ -454,15 +455,33 @@ def test_the_survivors_of_a_group_killed_in_the_all_reduce_commit_again_within_s
     third waits on a receive from one of them, and the two cannot form a quorum without it.
     All three commit again within the Lighthouse's heartbeat timeout (1 s) and a step, with
     a margin for a loaded machine, not after ft.timeout_s (30 s here): a group aborts its
-    all-reduce's connections as the all-reduce fails, and the third's receive fails too."""
+    all-reduce's connections as the all-reduce fails, and the third's receive fails too.
+
+    After the job's end, group 3 is started again (a restart that came too late: the peers'
+    checkpoints are at the last step), and group 0 (its own is): each says in one line that
+    the job is complete and ends with 0 at once, writing nothing, not after
+    ft.quorum_timeout_s with a checkpoint of step 0 and exit 2."""
     died, groups = tmp_path / "died", 4
+    flags = ("--max_steps", "16", "--ft.groups", str(groups), "--ft.min_replicas", "3",
+             "--ft.timeout_s", "30", "--ft.quorum_timeout_s", "30")  # fmt: skip
     with lighthouse(tmp_path, 3) as (addr, _):
-        procs = [start_group(addr, k, ft_data, tmp_path, "--max_steps", "16", "--ft.groups",
-                             str(groups), "--ft.min_replicas", "3", "--ft.timeout_s", "30", pace=0.5,
+        procs = [start_group(addr, k, ft_data, tmp_path, *flags, pace=0.5,
                              env={"DIE_AT": "4", "DIED": str(died)} if k == groups - 1 else None)
                  for k in range(groups)]  # fmt: skip
         codes = finish(procs, tmp_path)
-    assert codes[:-1] == [0] * (groups - 1) and codes[-1] != 0, output(tmp_path, 0)[-3000:]
+        assert codes[:-1] == [0] * (groups - 1) and codes[-1] != 0, output(tmp_path, 0)[-3000:]
+        before, t0 = files(tmp_path / "runs"), time.monotonic()
+        late = {k: start_group(addr, k, ft_data, tmp_path, *flags, out="late{k}") for k in (3, 0)}
+        for k, p in late.items():
+            said = lambda: (tmp_path / f"late{k}.out").read_text()  # noqa: B023, E731
+            assert p.wait(timeout=120) == 0, said()
+            print(f"group {k} started after the end: exit 0 in {time.monotonic() - t0:.1f}s")
+            assert said().splitlines() == [
+                f"pytrain.train: the job is complete: {tmp_path}/runs/ft/group0/ckpt-00000016.pt "
+                f"is at its last step (max_steps 16); group {k} has nothing to train and wrote "
+                "nothing"
+            ], said()
+        assert files(tmp_path / "runs") == before
     when = float(died.read_text())
     for k in range(groups - 1):
         back = min(x["time"] for x in ledger(tmp_path, k) if x["committed"] and x["time"] > when)
@@ -504,32 +523,6 @@ def assert_quiet(tmp_path: Path, k: int) -> int:
 def files(root: Path) -> dict[str, tuple[int, int]]:
     return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
             for p in root.rglob("*")}  # fmt: skip
-
-
-@pytest.mark.slow
-def test_a_group_started_after_the_job_ended_says_so_and_exits_0_writing_nothing(ft_data, tmp_path):
-    """Groups 0 and 1 train the job's 8 steps. Then group 2 starts (a restart that came too
-    late: the peers' checkpoints are at the last step), and group 0 again (its own is): each
-    says in one line that the job is complete and ends with 0 at once, writing nothing, not
-    after ft.quorum_timeout_s with a checkpoint of step 0 and exit 2."""
-    steps = ("--max_steps", "8", "--ft.quorum_timeout_s", "20")
-    with lighthouse(tmp_path, 2) as (addr, _):
-        procs = [start_group(addr, k, ft_data, tmp_path, *steps) for k in range(2)]
-        assert finish(procs, tmp_path) == [0, 0], output(tmp_path, 0)[-3000:]
-        before = files(tmp_path / "runs")
-        t0 = time.monotonic()
-        late = {k: start_group(addr, k, ft_data, tmp_path, *steps) for k in (2, 0)}
-        for k, whose in ((2, "group0"), (0, "group0")):
-            assert late[k].wait(timeout=120) == 0, output(tmp_path, k)[-3000:]
-            print(f"group {k} started after the end: exit 0 in {time.monotonic() - t0:.1f}s")
-            said = [x for x in output(tmp_path, k).splitlines() if x.startswith("pytrain.train")]
-            assert said == [
-                f"pytrain.train: the job is complete: {tmp_path}/runs/ft/{whose}/ckpt-00000008.pt "
-                f"is at its last step (max_steps 8); group {k} has nothing to train and wrote "
-                "nothing"
-            ], output(tmp_path, k)
-            assert "Traceback" not in output(tmp_path, k)
-        assert files(tmp_path / "runs") == before
 
 
 def _committed_after(tmp_path: Path, k: int, when: float) -> bool:
