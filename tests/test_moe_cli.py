@@ -1,8 +1,9 @@
 """A mixture of experts through the commands users run, on real text: trained, exported to
 Qwen3MoeForCausalLM (greedy generation equal to transformers', with and without the KV
 cache, through `python -m pytrain.sample`), evaluated by `python -m pytrain.eval`; a run
-balanced by the bias as the default has it (sigmoid scores) exports to Glm4MoeForCausalLM
-with equal logits, one with softmax scores and a bias is refused export in one line;
+balanced by the bias over sigmoid scores (the 1.8B preset's) exports to Glm4MoeForCausalLM
+with equal logits, one with softmax scores and a bias (the default) is refused export in one
+line;
 `--init_from` a Qwen3-MoE, GLM-4.5-style or OLMoE directory made by transformers starts the
 run with its logits, balances as its authors' class does and says so in its log."""
 
@@ -60,10 +61,10 @@ def test_a_qwen3_balanced_run_exports_samples_and_evaluates(text_datasets, tmp_p
 
 
 def test_a_bias_balanced_run_exports_as_glm4_moe_with_equal_logits(text_datasets, tmp_path):  # noqa: F811
-    """The default balancing (DeepSeek-V3's bias over sigmoid scores) leaves the framework:
-    its bias, moved by training, is GLM-4.5's e_score_correction_bias."""
-    train(text_datasets, tmp_path, *MOE, "--model.balance_rate", "0.01",
-          "--model.shared_experts", "1")  # fmt: skip
+    """DeepSeek-V3's balancing (the bias over sigmoid scores, the 1.8B preset's) leaves the
+    framework: its bias, moved by training, is GLM-4.5's e_score_correction_bias."""
+    train(text_datasets, tmp_path, *MOE, "--model.router_score", "sigmoid",
+          "--model.balance_rate", "0.01", "--model.shared_experts", "1")  # fmt: skip
     gpt = load(tmp_path / "run").gpt
     assert gpt.cfg.router_score == "sigmoid"
     assert all(m.expert_bias.any() for m in gpt.moe_layers())  # training moved it

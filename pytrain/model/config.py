@@ -123,10 +123,12 @@ class ModelConfig:
     SwiGLU of shared_experts x expert_hidden."""
     dense_layers: int = 0
     """The first blocks with a dense MLP instead of experts (DeepSeek-V3: 3)."""
-    router_score: str = "sigmoid"
-    """The router's scores from its fp32 logits: 'sigmoid' (DeepSeek-V3, GLM-4.5: each
-    expert's score on its own, what auxiliary-loss-free balancing was made for; exported as
-    Glm4MoeForCausalLM) or 'softmax' (Qwen3-MoE, OLMoE: exported as theirs, with no bias)."""
+    router_score: str = "softmax"
+    """The router's scores from its fp32 logits: 'softmax' (Qwen3-MoE, OLMoE: exported as
+    theirs where no bias moved) or 'sigmoid' (DeepSeek-V3, GLM-4.5: exported as
+    Glm4MoeForCausalLM, the bias included). Softmax stays the default: under the bias, at
+    8 experts and top-2, sigmoid's validation loss was 0.6% higher on both of two seeds
+    (BENCHMARKS.md, "Mixture of experts: quality")."""
     norm_topk: bool = True
     """The top_k weights rescaled to sum to 1 (Qwen3-MoE: yes; OLMoE: no)."""
     route_scale: float = 1.0
