@@ -166,11 +166,12 @@ def sum_over_groups(manager, pg, tensors: list[torch.Tensor], loss: torch.Tensor
         close(pg)
     elif (why := check(flat[-tag.numel() :].cpu())) is not None:
         manager.report_error(RuntimeError(f"the step's all-reduce mixed quorums: {why}"))
-    summed_s, commit = time.perf_counter() - summed, manager.should_commit()
+    voting = time.perf_counter()
+    commit = manager.should_commit()
     if times is not None:
         times["copy_ms"] = clock.ms(copied)
         times["allreduce_ms"] = (summed - clock.t0) * 1e3 - times["copy_ms"]
-        times["vote_ms"] = (time.perf_counter() - summed - summed_s) * 1e3
+        times["vote_ms"] = (time.perf_counter() - voting) * 1e3
     if not commit:
         return None
     at = 0
@@ -264,7 +265,7 @@ class ReplicaGroupTrainer(Trainer):
     def _build(self) -> None:
         super()._build()
         cfg = self.cfg
-        if self.dist.world_size == 1:  # DDP of one rank: nothing said of it
+        if self.dist.world_size == 1:  # (DDP wraps a lone torchrun rank; nothing to say of it)
             self.plan = dataclasses.replace(
                 self.plan, line=f"data parallel: replica group {cfg.ft.group} of {cfg.ft.groups}, "
                 "one rank; gradients summed over the step's quorum of groups by torchft",
