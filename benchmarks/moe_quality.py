@@ -16,6 +16,9 @@ parameters match configs/llama-350m.toml's):
         --dense "--config configs/llama-350m.toml --optim.grad_accum 4" \\
         --moe "--config configs/moe-1.8b-a320m.toml --optim.grad_accum 4"
 
+`--against softmax` compares router scores instead: --moe's flags with softmax scores
+against the same with sigmoid (the default's balancing bias on both).
+
 Both runs of a seed see the same batches in the same order (the loader's order depends on
 the seed alone). A table is printed last."""
 
