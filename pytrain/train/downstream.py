@@ -92,6 +92,9 @@ class TaskScores:
                 autocast=lambda: t.precision.autocast(t.device), share=(t.dist.rank, t.dist.world_size),
                 all_sum=lambda x: distributed.all_sum_tensor(x, t.dist), forward=self.forward,
                 fixed_shapes=self.compiled, lockstep=t.sharded,
+                # Packed on a GPU: 4x the items/s of one request a row at llama-350m on an H100
+                # (BENCHMARKS.md); on a CPU, where the mask's attention is dense, one a row.
+                packed=t.device.type == "cuda",
             )  # fmt: skip
 
     def at(self, step: int, eval_due: bool, end: bool = False) -> Results | None:
