@@ -159,7 +159,7 @@ def test_packed_rows_score_as_each_request_alone(tmp_path):
     path = write_jsonl(tmp_path / "mc.jsonl", MC)
     suite = TaskSuite(read_tasks([str(path)]), byte_encode, 0, window=32)
     packed = scoring.score(
-        gpt, suite.segments, row_len=32, batch_rows=2, device=torch.device("cpu")
+        gpt, suite.segments, row_len=32, batch_rows=2, device=torch.device("cpu"), packed=True
     )
     alone = scoring.score(gpt, suite.segments, row_len=32, batch_rows=1,
                           device=torch.device("cpu"), packed=False)  # fmt: skip

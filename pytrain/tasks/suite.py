@@ -3,8 +3,6 @@ requests at every evaluation), scored together in packed rows, results per task 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,22 +97,9 @@ class TaskSuite:
             raise TaskError("scoring tasks needs the model's end-of-text token id, and it has none")
         return cls(tasks, tokenizer_encode(tokenizer), prefix_id, window, limit)
 
-    def score(
-        self,
-        gpt,
-        device: torch.device,
-        *,
-        batch_rows: int = 8,
-        row_tokens: int = 512,
-        packed: bool = False,
-        autocast: Callable[[], AbstractContextManager] = nullcontext,
-        share: tuple[int, int] = (0, 1),
-        all_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
-        forward: Callable | None = None,
-        fixed_shapes: bool = False,
-        lockstep: bool = False,
-    ) -> Results:
-        """Every task's results (scoring.score says what each argument does)."""
+    def score(self, gpt, device: torch.device, *, row_tokens: int = 512, **options) -> Results:
+        """Every task's results, in rows of `row_tokens`; `options` are scoring.score's
+        (batch_rows, packed, autocast, share, all_sum, forward, fixed_shapes, lockstep)."""
         import time
 
         t0 = time.perf_counter()
@@ -123,10 +108,7 @@ class TaskSuite:
         # cost its square for items a tenth of its length.
         longest = max((len(s.inputs) for s in self.segments), default=1)
         row_len = max(longest, min(row_tokens, self.window))
-        s = scoring.score(gpt, self.segments, row_len=row_len, batch_rows=batch_rows,
-                          device=device, packed=packed, autocast=autocast, share=share,
-                          all_sum=all_sum, forward=forward, fixed_shapes=fixed_shapes,
-                          lockstep=lockstep)  # fmt: skip
+        s = scoring.score(gpt, self.segments, row_len=row_len, device=device, **options)
         out, at = [], 0
         for task, reqs in zip(self.tasks, self.requests, strict=True):
             end = at + len(reqs)
