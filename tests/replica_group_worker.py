@@ -9,6 +9,13 @@ all-reduce between groups of its first step from STEP on that every group of ft.
 trains: the other groups of that quorum are then inside the all-reduce, waiting on it. It
 writes the time it dies (time.time()) to the file DIED names, first.
 
+With WAIT_FOR=FILE and WAIT_AT=STEP, a smaller quorum's steps from STEP on wait until FILE
+exists (a group that must not end the job before a late one has started).
+
+With HELD=FILE and GO=FILE in its environment, the rank holds as its group starts to build,
+after the check that the job has not ended and before its manager exists: it writes HELD,
+then waits until GO exists.
+
     torchrun ... tests/replica_group_worker.py PACE ARGS..."""
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ PACE = float(sys.argv[1])
 DIE_AT = int(os.environ.get("DIE_AT", "-1"))
 GROUPS = int([b for a, b in zip(sys.argv, sys.argv[1:], strict=False) if a == "--ft.groups"][-1])
 attempt = replica_groups.ReplicaGroupTrainer.train_step
+build = replica_groups.ReplicaGroupTrainer._build
 sum_over_groups = replica_groups.sum_over_groups
 
 
@@ -32,6 +40,9 @@ def paced(self, batches, prefetch=None):
     t0 = time.perf_counter()
     p = attempt(self, batches, prefetch)
     if self.manager.num_participants() < self.cfg.ft.groups:
+        if "WAIT_FOR" in os.environ and self.step >= int(os.environ["WAIT_AT"]):
+            while not os.path.exists(os.environ["WAIT_FOR"]):
+                time.sleep(0.05)
         time.sleep(max(0.0, PACE - (time.perf_counter() - t0)))
     return p
 
@@ -44,6 +55,16 @@ def dying(manager, *args, **kwargs):
     return sum_over_groups(manager, *args, **kwargs)
 
 
+def held(self):
+    if "HELD" in os.environ:
+        with open(os.environ["HELD"], "w") as f:
+            f.write(f"{time.time()}\n")
+        while not os.path.exists(os.environ["GO"]):
+            time.sleep(0.05)
+    return build(self)
+
+
+replica_groups.ReplicaGroupTrainer._build = held  # type: ignore[method-assign]
 replica_groups.ReplicaGroupTrainer.train_step = paced  # type: ignore[method-assign]
 replica_groups.sum_over_groups = dying
 distributed.exit_process(main(sys.argv[2:]))

@@ -578,18 +578,56 @@ def test_too_few_groups_stop_with_one_line_and_a_checkpoint(ft_data, tmp_path):
     assert final_state(tmp_path, 0)["step"] == 0
 
 
+def test_a_group_whose_peers_end_the_job_while_it_starts_commits_nothing(ft_data, tmp_path):
+    """Group 1 starts first, passes the start's check (no peer has ended the job) and is held
+    as it builds (tests/replica_group_worker.py HELD, GO) while group 0 trains the whole
+    job alone and exits. Its first quorum is then of itself alone, at step 0: it
+    ends with 0 in one line, committing nothing, and does not train the job a second time
+    (as it did, alone, from step 0, on a busy machine where a group took longer to start
+    than its peers took to finish)."""
+    held, go, steps = tmp_path / "held", tmp_path / "go", 16
+    flags = ("--max_steps", str(steps), "--ft.groups", "2", "--ft.min_replicas", "1")
+    with lighthouse(tmp_path, 1) as (addr, _):
+        late = start_group(
+            addr, 1, ft_data, tmp_path, *flags, env={"HELD": str(held), "GO": str(go)}
+        )
+        t0 = time.monotonic()
+        while not held.exists():
+            assert late.poll() is None and time.monotonic() - t0 < 240, output(tmp_path, 1)
+            time.sleep(0.05)
+        first = start_group(addr, 0, ft_data, tmp_path, *flags)
+        assert first.wait(timeout=300) == 0, output(tmp_path, 0)[-3000:]
+        go.touch()
+        assert late.wait(timeout=120) == 0, output(tmp_path, 1)[-3000:]
+    last = output(tmp_path, 1).splitlines()[-1]
+    assert last == (
+        f"pytrain.train: the job is complete: {tmp_path}/runs/ft/group0/ckpt-{steps:08d}.pt is "
+        f"at its last step (max_steps {steps}); group 1 started as its peers ended and "
+        "committed no step"
+    ), output(tmp_path, 1)
+    assert ledger(tmp_path, 1) == []
+    committed = [x["step"] for x in ledger(tmp_path, 0) if x["committed"]]
+    assert committed == list(range(steps))
+    assert not checkpoint.list_checkpoints(tmp_path / "runs" / "ft" / "group1")
+
+
 @pytest.mark.slow
 def test_groups_of_two_fsdp2_ranks_heal_each_rank_from_its_peer(ft_data, tmp_path, reference):
     """Two groups of two ranks each under FSDP2 (each rank a shard of the weights and of the
     optimizer state); group 1 starts after group 0 has trained alone for a few steps (4 rows
-    a rank) and heals, each of its ranks from group 0's rank of the same place. The global
-    batch is 8 rows; FSDP2's reduce-scatters sum in another order than one process:
-    measured 1.5e-6 over 90 steps, 2.2e-6 over 300."""
+    a rank) and heals, each of its ranks from group 0's rank of the same place. Group 0
+    waits at step 5 until group 1 has imported and starts building (its HELD file), then
+    steps every 0.5 s: however slowly a busy machine starts group 1, group 0 does not end
+    the job first. The global batch is 8 rows; FSDP2's reduce-scatters sum in another
+    order than one process: measured 1.5e-6 over 90 steps, 2.2e-6 over 300."""
+    ready = tmp_path / "group1-building"
     with lighthouse(tmp_path, 1) as (addr, _):
         flags = ("--fsdp", "--ft.groups", "2", "--ft.min_replicas", "1")
-        procs = [start_group(addr, 0, ft_data, tmp_path, *flags, ranks=2, pace=0.5)]
+        procs = [start_group(addr, 0, ft_data, tmp_path, *flags, ranks=2, pace=0.5,
+                             env={"WAIT_FOR": str(ready), "WAIT_AT": "5"})]  # fmt: skip
         wait_for(lambda: len(ledger(tmp_path, 0)) >= 5, procs, tmp_path)
-        procs.append(start_group(addr, 1, ft_data, tmp_path, *flags, ranks=2))
+        procs.append(start_group(addr, 1, ft_data, tmp_path, *flags, ranks=2,
+                                 env={"HELD": str(ready), "GO": str(ready)}))  # fmt: skip
         assert finish(procs, tmp_path) == [0, 0], output(tmp_path, 1)[-3000:]
     assert "healed from a peer at step" in output(tmp_path, 1)
     by_step = assert_every_row_once(tmp_path, ft_data, groups=range(2), rows=8)

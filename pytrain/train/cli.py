@@ -183,7 +183,7 @@ def _main(argv: list[str] | None, stop: StopSignals) -> int:
     from pytrain.train.out_of_memory import explained
     from pytrain.train.replica_groups import trainer_class
     from pytrain.train.report import final_report
-    from pytrain.train.stopping import StoppedInSetUp
+    from pytrain.train.stopping import NothingToDo, StoppedInSetUp
 
     t0 = time.perf_counter()
     check_model_here(cfg)  # before any data is touched: the embedded default takes minutes
@@ -225,6 +225,9 @@ def _main(argv: list[str] | None, stop: StopSignals) -> int:
         return EXIT_BAD_STEPS
     except StoppedInSetUp:  # said by main; the run directory is left as it was
         trainer.close()
+        raise
+    except NothingToDo:  # a replica group that found its job ended (said by main)
+        trainer.close(trackers.FINISHED)
         raise
     if signal := result["stopped_by"]:
         from pytrain.train.checkpoint import list_checkpoints

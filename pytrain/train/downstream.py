@@ -47,6 +47,7 @@ class TaskScores:
         self.every = trainer.cfg.eval.tasks_every
         self.last: Results | None = None
         self.scored_at = -1
+        self.forward: torch.nn.Module | None
         self.forward, self.compiled = self._forward(trainer) if suite else (None, False)
 
     @staticmethod
@@ -86,6 +87,7 @@ class TaskScores:
 
     def _score(self) -> Results:
         t = self.trainer
+        assert self.suite is not None, "scored only where tasks are given"
         with root_gathered(t.module if t.sharded else None):
             return self.suite.score(
                 t.gpt, t.device, batch_rows=t.cfg.data.batch_size, row_tokens=t.cfg.data.seq_len,

@@ -297,6 +297,7 @@ class ReplicaGroupTrainer(Trainer):
         self.ledger = (self.run_dir / "ledger.jsonl").open("a") if self.dist.is_main else None
         self._healed: int | None = None  # the step of a heal just applied
         self._quorum_s = 0.0  # the last quorum's seconds
+        self._committed = False  # whether this process committed a step
 
     def _manager(self):
         ft, tf = self.cfg.ft, self.torchft
@@ -358,11 +359,33 @@ class ReplicaGroupTrainer(Trainer):
         except Exception as e:  # torchft's TimeoutError or RuntimeError from its RPCs
             self._stop_without_quorum(e)
         self._quorum_s = time.perf_counter() - t0
+        if not self._committed and groups < self.cfg.ft.groups:
+            self._stop_if_job_done()
         if self._healed is not None:
             self.say(f"healed from a peer at step {self._healed} in {self._quorum_s:.2f}s")
             self._healed = None
         assert place is not None, "a synchronous quorum has every group in its step"
         return place, groups
+
+    def _stop_if_job_done(self) -> None:
+        """NothingToDo where the peers ended the job while this group was being built: it
+        passed the check in __init__ then, and would now train the job again from its own
+        step, alone. Asked until this process's first commit (after it, the group steps with
+        its quorum and ends with it); the quorum forms only after the Lighthouse waited
+        its join timeout for the peers still heartbeating, time in which one that committed
+        the last step writes its checkpoint. The group's ranks decide together (a shared
+        filesystem may show the checkpoint to one rank first)."""
+        cfg = self.cfg
+        done = job_done(self.run_dir, cfg.max_steps)
+        if distributed.all_sums([done is not None], self.dist, self.device)[0] == 0:
+            return
+        raise NothingToDo(
+            f"the job is complete: {done or 'a peer'} is at its last step (max_steps "
+            f"{cfg.max_steps}); group {cfg.ft.group} started as its peers ended and "
+            "committed no step"
+            if self.dist.is_main
+            else ""
+        )
 
     def _stop_without_quorum(self, e: Exception) -> NoReturn:
         ft = self.cfg.ft
@@ -395,7 +418,7 @@ class ReplicaGroupTrainer(Trainer):
             self.manager.participating_rank(),
             self.manager.num_participants(),
         )
-        tag, times = quorum_tag(ft.group, ft.groups, place, size, self.step), {}
+        tag, times = quorum_tag(ft.group, ft.groups, place, size, self.step), dict[str, float]()
         total = sum_over_groups(
             self.manager, self.cross_pg, self._grads() + self.gpt.step_sums(), loss_sum, tag,
             lambda summed: quorum_mismatch(summed, ft.groups, size, self.step), times,
@@ -407,6 +430,7 @@ class ReplicaGroupTrainer(Trainer):
             self.gpt.discard_step()  # its rows are given back: so is what they routed
             return None
         self.rows_feed.commit()
+        self._committed = True
         loss = distributed.all_sum_tensor(total, self.dist) / denom
         tokens = self.rows * self.cfg.data.seq_len
         return self.update(loss, denom, tokens, fallbacks, self.stop.agreed(*votes))

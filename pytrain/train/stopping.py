@@ -37,8 +37,9 @@ class StoppedInSetUp(Exception):
 
 class NothingToDo(Exception):
     """A run whose steps are all done already (a replica group started after its job
-    ended): its message, where it has one (the main rank's), is the one line said; the
-    process ends with 0, having written nothing."""
+    ended, or as it ended): its message, where it has one (the main rank's), is the one
+    line said; the process ends with 0, having committed no step (and written nothing,
+    where found before the group was built)."""
 
 
 class StopSignals:
