@@ -34,7 +34,6 @@ pairing is exact; on a CPU with --deterministic, bit for bit)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import shlex
@@ -45,7 +44,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.harness import machine_line, markdown_table, python_sources  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    machine_line,
+    markdown_table,
+    pack_python_text,
+    paired_runs_parser,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENS_PER_STEP = 65536
@@ -61,26 +65,6 @@ BF16 = ["--model.float8", "off", "--model.float8_head", "off"]
 """The bf16 side: bf16 throughout. The presets' output layer is FP8 where the GPU has FP8
 matmuls (model.float8_head auto), which the float8 side keeps."""
 TOLERANCE = 0.01
-
-
-def prepare(work: Path, tokenizer: Path | None, mb: int) -> None:
-    """Python sources, every 20th file held out, packed as train/ and val/ in `work`."""
-    if tokenizer is None:
-        from pytrain.data.corpus import build_default
-
-        tokenizer = build_default()[0].parent / "tokenizer.json"
-    work.mkdir(parents=True, exist_ok=True)
-    files = {s: open(work / f"{s}.jsonl", "w") for s in ("train", "val")}  # noqa: SIM115
-    for n, (_, text) in enumerate(python_sources(mb << 20)):
-        files["val" if n % 20 == 19 else "train"].write(json.dumps({"text": text}) + "\n")
-    for f in files.values():
-        f.close()
-    for split in files:
-        cmd = [sys.executable, "-m", "pytrain.pack_shards", str(work / f"{split}.jsonl"),
-               "-o", str(work / split), "--tokenizer", str(tokenizer), "--overwrite",
-               "--no-progress"]  # fmt: skip
-        subprocess.run(cmd, check=True, cwd=ROOT)
-        (work / f"{split}.jsonl").unlink()
 
 
 def command(
@@ -174,11 +158,7 @@ def report(work: Path) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("what", choices=["prepare", "plan", "run", "report"])
-    p.add_argument("--work", type=Path, required=True)
-    p.add_argument("--tokenizer", type=Path, default=None)
-    p.add_argument("--mb", type=int, default=60, help="prepare: MB of Python sources")
+    p = paired_runs_parser(__doc__, mb=60)
     p.add_argument("--preset", choices=list(PRESETS), default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--side", choices=SIDES, default=None)
@@ -192,7 +172,7 @@ def main() -> int:
     args = p.parse_args()
     f8 = shlex.split(args.float8_flags)
     if args.what == "prepare":
-        prepare(args.work, args.tokenizer, args.mb)
+        pack_python_text(args.work, args.tokenizer, args.mb)
     elif args.what == "plan":
         for preset in ("llama-350m", "llama-1b"):
             for seed in SEEDS:

@@ -105,8 +105,18 @@ def bar_chart(bars: int):
     return plt.subplots(figsize=(8, 0.6 * bars + 1.5))
 
 
+def line_chart():
+    """(figure, axes) of matplotlib, without a display, for a few curves."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(figsize=(7, 4.5))
+
+
 def save_chart(fig, ax, title: str, path: Path) -> None:
-    """Titles a chart of `bar_chart`, writes it to `path` (PNG) and says where."""
+    """Titles a chart of `bar_chart` or `line_chart`, writes it to `path` (PNG) and says where."""
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -142,6 +152,43 @@ def python_sources(max_bytes: int) -> Iterator[tuple[str, str]]:
             total += len(text.encode())
             if total >= max_bytes:
                 return
+
+
+def paired_runs_parser(doc: str, mb: int):
+    """The argument parser that the paired-run studies (float8_quality, moe_vs_dense) share:
+    prepare, plan, run, report; --work, and prepare's --tokenizer and --mb (default `mb`)."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("what", choices=["prepare", "plan", "run", "report"])
+    p.add_argument("--work", type=Path, required=True)
+    p.add_argument("--tokenizer", type=Path, default=None)
+    p.add_argument("--mb", type=int, default=mb, help="prepare: MB of Python sources at most")
+    return p
+
+
+def pack_python_text(work: Path, tokenizer: Path | None, mb: int) -> None:
+    """`python_sources` up to `mb` MB, every 20th file held out, packed by pack-shards with
+    `tokenizer` (default: the embedded default's BPE) as work/train and work/val."""
+    import json
+
+    if tokenizer is None:
+        from pytrain.data.corpus import build_default
+
+        tokenizer = build_default()[0].parent / "tokenizer.json"
+    work.mkdir(parents=True, exist_ok=True)
+    files = {s: open(work / f"{s}.jsonl", "w") for s in ("train", "val")}  # noqa: SIM115
+    for n, (_, text) in enumerate(python_sources(mb << 20)):
+        files["val" if n % 20 == 19 else "train"].write(json.dumps({"text": text}) + "\n")
+    for f in files.values():
+        f.close()
+    root = Path(__file__).resolve().parent.parent
+    for split in files:
+        cmd = [sys.executable, "-m", "pytrain.pack_shards", str(work / f"{split}.jsonl"),
+               "-o", str(work / split), "--tokenizer", str(tokenizer), "--overwrite",
+               "--no-progress"]  # fmt: skip
+        subprocess.run(cmd, check=True, cwd=root)
+        (work / f"{split}.jsonl").unlink()
 
 
 def read_for(loader, seconds: float) -> tuple[int, float, float]:
