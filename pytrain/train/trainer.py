@@ -321,13 +321,14 @@ class Trainer:
 
     def train_step_dry(self, b: DeviceBatch) -> None:
         """Forward and backward through the compiled module with the fallback in force,
-        then the gradients are dropped."""
+        then the gradients are dropped, and what its tokens routed (a resume stays exact)."""
         saved, self.compiler.inject_failure = self.compiler.inject_failure, None
         try:
             self._backward_with_fallback([b])
         finally:
             self.compiler.inject_failure = saved
             self.optimizer.zero_grad(set_to_none=True)
+            self.gpt.discard_step()
 
     # ---- the loop ------------------------------------------------------------------------
     def evaluate(self) -> float | None:
