@@ -30,7 +30,7 @@ passes over the training text the steps make.
 
 A finished run's evaluations, tokens/s and expert load go to W/results/ARM-SEED.json and
 its run directory is removed; `report` reads W/results alone (results from several
-several machines may be copied there). `run --steps N --flags "..."` shortens or
+machines may be copied there). `run --steps N --flags "..."` shortens or
 changes a run (both arms the same way), e.g. to try the script on a CPU."""
 
 from __future__ import annotations
