@@ -92,12 +92,11 @@ def run(work: Path, arm: str, seed: int, steps: int, extra: list[str], limit_s: 
         raise SystemExit(f"{name}: exit {out.returncode}: {out.stderr.strip()[-800:]}")
     log = (run_dir / "train.log").read_text()
     val = {int(s): float(v) for s, v in re.findall(r"\bstep (\d+) val_loss (\S+)", log)}
+    rows = read_steps(run_dir / "train.log")
     if steps not in val:
-        at = read_steps(run_dir / "train.log")[-1]["step"]
-        print(f"{name}: stopped at step {at:.0f} of {steps} by --time-limit-s {limit_s:g}; "
+        print(f"{name}: stopped at step {rows[-1]['step']:.0f} of {steps} by --time-limit-s {limit_s:g}; "
               "run the same command to continue", flush=True)  # fmt: skip
         return STOPPED
-    rows = read_steps(run_dir / "train.log")
     last = rows[-1]
     result = {
         "arm": arm, "seed": seed, "command": shlex.join(cmd[1:]), "val": val,
