@@ -36,7 +36,7 @@ from pytrain.config import ConfigError, parse_args
 from pytrain.data.loader import TokenLoader
 from pytrain.train import checkpoint
 from pytrain.train.replica_groups import quorum_mismatch, quorum_tag
-from pytrain.train.step_rows import share
+from pytrain.train.step_rows import Kept, StepRows, runs, share
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).parent / "replica_group_worker.py"
@@ -168,6 +168,16 @@ def global_order(data: Path, rows: int) -> torch.Tensor:
     return torch.cat(out)
 
 
+def trained(line: dict) -> list[int]:
+    """The rows of the global order a ledger line's group trained for its step: its share,
+    and where it kept a failed attempt's work, the lost groups' rows it took (`extra`)."""
+    first, last = line["share"]
+    return [
+        *range(first, last + 1),
+        *(i for a, b in line.get("extra", []) for i in range(a, b + 1)),
+    ]
+
+
 def assert_every_row_once(tmp_path: Path, data: Path, groups=range(GROUPS), rows=ROWS) -> dict:
     """Every step s of the run committed once with the rows [s x rows, (s + 1) x rows), the
     shares of each step's quorum disjoint within them and each the rows the global order has
@@ -182,13 +192,16 @@ def assert_every_row_once(tmp_path: Path, data: Path, groups=range(GROUPS), rows
     for step, lines in by_step.items():
         assert {tuple(x["rows"]) for x in lines} == {(step * rows, step * rows + rows - 1)}
         assert len({x["groups"] for x in lines}) == 1, lines  # one quorum committed it
-        taken = [i for x in lines for i in range(x["share"][0], x["share"][1] + 1)]
+        taken = [i for x in lines for i in trained(x)]
         assert len(taken) == len(set(taken)) and set(taken) <= set(
             range(step * rows, step * rows + rows)
         )
         for x in lines:
             first, last = x["share"]
             assert x["crc"] == zlib.crc32(order[first : last + 1].contiguous().numpy().tobytes())
+            if "extra" in x:  # an attempt that kept a failed one's work: the lost rows it took
+                extra = [i for a, b in x["extra"] for i in range(a, b + 1)]
+                assert x["extra_crc"] == zlib.crc32(order[extra].contiguous().numpy().tobytes())
     # STEPS x rows rows, each once: the first epoch's rows are all among them.
     assert STEPS * rows >= EPOCH_ROWS
     return by_step
@@ -249,17 +262,28 @@ MOE = ("--model.family", "moe", "--model.experts", "4", "--model.top_k", "2",
 
 
 @pytest.mark.slow
-def test_three_groups_train_every_row_once_as_one_process(ft_data, tmp_path, reference):
-    """Three groups of a mixture of experts, no failure (the dense model: the other tests)."""
-    with lighthouse(tmp_path, GROUPS) as (addr, _):
+def test_groups_of_experts_train_every_row_once_as_one_process_through_a_death(
+    ft_data, tmp_path, reference
+):
+    """Three groups of a mixture of experts (the dense model: the other tests); group 2 dies
+    where it joins step 30's all-reduce, and is not restarted. The two others keep that
+    attempt's gradients and expert loads, train group 2's rows between them (each its
+    `extra`), and go on as two: every row once, their losses and bias one process's."""
+    died = tmp_path / "died"
+    with lighthouse(tmp_path, 2) as (addr, _):
         procs = [
-            start_group(addr, k, ft_data, tmp_path, "--ft.min_replicas", "3", *MOE)
+            start_group(addr, k, ft_data, tmp_path, *MOE,
+                        env={"DIE_AT": "30", "DIED": str(died)} if k == 2 else None)
             for k in range(3)
-        ]
-        assert finish(procs, tmp_path) == [0, 0, 0], output(tmp_path, 0)[-3000:]
+        ]  # fmt: skip
+        assert finish(procs, tmp_path)[:2] == [0, 0], output(tmp_path, 0)[-3000:]
     by_step = assert_every_row_once(tmp_path, ft_data)
-    assert all(len(lines) == GROUPS for lines in by_step.values())  # all three, every step
-    assert_same_state(tmp_path, range(GROUPS))
+    # (a step before may have been two groups' too: one that came late heals at the next)
+    assert {x["group"] for x in by_step[29]} == {0, 1, 2}
+    assert all(len(by_step[s]) == 2 for s in range(30, STEPS))
+    assert all("extra" in x for x in by_step[30]), by_step[30]  # the step group 2 died in
+    assert not any("extra" in x for s in range(31, STEPS) for x in by_step[s])
+    assert_same_state(tmp_path, range(2))
     bias = final_tensors(tmp_path, 0)["model.blocks.0.mlp.expert_bias"]
     assert bias.any()  # it moved, alike in every group
     assert_losses_follow(tmp_path, reference(ROWS, *MOE))
@@ -291,6 +315,56 @@ def test_an_all_reduce_of_groups_that_cut_the_step_differently_commits_nowhere()
     assert "places [0, 1, 1]" in quorum_mismatch(tags(*views[:2], (2, 1, 3, 5)), 3, 3, 5)
     assert "more than one process of group(s) [1]" in quorum_mismatch(
         tags(*views, views[1]), 3, 3, 5
+    )
+
+
+def test_survivors_keep_their_shares_and_cut_the_lost_groups_rows_between_them(ft_data):
+    """An attempt of G groups failed and the next quorum is its survivors: each keeps its old
+    share and takes its part of the lost groups' rows (StepRows under Kept). Over the
+    survivors and their ranks, the rows of the step are each trained once, every micro-batch
+    holds the global order's rows at the indices it claims, and no rank is left without
+    one."""
+    rows, size = 24, 2
+    order = global_order(ft_data, rows)
+    for old, lost in [(3, (2,)), (3, (0,)), (4, (1, 2)), (4, (3,)), (5, (0, 2, 4))]:
+        survivors = [p for p in range(old) if p not in lost]
+        n = len(survivors)
+        taken: list[int] = []
+        for place, was in enumerate(survivors):
+            kept = Kept(was, old, lost)
+            for rank in range(2):
+                with TokenLoader(ft_data, seq_len=32, batch_size=size, frames_per_block=1) as ld:
+                    feed = StepRows(ld, torch.device("cpu"), False, rows, rank, 2)
+                    feed.quorum = lambda p=place, n=n, k=kept: (p, n, k)  # noqa: E731
+                    batches, _ = feed.take()
+                    got = torch.cat([b.input_ids for b in batches])
+                    assert batches and all(len(b.input_ids) <= size for b in batches)
+                    mine = feed.extra_rows[slice(*share(len(feed.extra_rows), 2, rank))]
+                    assert torch.equal(got.long(), order[mine][:, :-1].long())
+                    if rank == 0:
+                        taken += [*range(*feed.group_rows), *feed.extra_rows.tolist()]
+                        assert feed.group_rows == share(rows, old, was)
+        assert sorted(taken) == list(range(rows)), (old, lost)
+    assert runs(torch.tensor([0, 1, 2, 5, 7, 8])) == [[0, 2], [5, 5], [7, 8]]
+
+
+def test_groups_that_keep_a_failed_attempt_differently_commit_nowhere():
+    """Where a step's groups keep a failed attempt's work (Kept), every one of them does, from
+    the same quorum (its size and torchft's id), from places of their own there."""
+
+    def tags(*views):
+        return sum(quorum_tag(g, 3, place, 2, 5, kept, q) for g, place, kept, q in views)
+
+    a, b = (0, 0, Kept(0, 3, (2,)), 7), (1, 1, Kept(1, 3, (2,)), 7)
+    assert quorum_mismatch(tags(a, b), 3, 2, 5) is None
+    assert quorum_mismatch(tags((0, 0, None, 0), (1, 1, None, 0)), 3, 2, 5) is None
+    assert "of [3, 0] groups" in quorum_mismatch(tags(a, (1, 1, None, 0)), 3, 2, 5)
+    assert "ids [7, 8]" in quorum_mismatch(tags(a, (1, 1, Kept(1, 3, (2,)), 8)), 3, 2, 5)
+    assert "places [0, 0] of a quorum of 3" in quorum_mismatch(
+        tags(a, (1, 1, Kept(0, 3, (2,)), 7)), 3, 2, 5
+    )
+    assert "of a quorum of 2" in quorum_mismatch(
+        tags((0, 0, Kept(0, 2, ()), 7), (1, 1, Kept(1, 2, ()), 7)), 3, 2, 5
     )
 
 

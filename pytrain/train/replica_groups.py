@@ -16,6 +16,10 @@ Manager, in each group, sits between the backward and the optimizer step:
    the order move on; otherwise the step's rows are given back and the step is tried again
    under the next quorum. A ledger line a step attempt (`ledger.jsonl` in the group's run
    directory) says which rows of the global order the group trained, and whether it counted.
+4. Where the next quorum is the failed attempt's groups less some that died, the survivors
+   keep that attempt's gradients and train only the dead groups' rows between them (_keep,
+   pytrain.train.step_rows.Kept): after a kill, about a step over the quorum's size, not
+   a whole step again.
 
 Each group writes its own checkpoints under runs/NAME/groupN/."""
 
@@ -39,7 +43,7 @@ from pytrain.config.errors import first_line
 from pytrain.train import checkpoint, distributed, peer_state, run_state, sources
 from pytrain.train.distributed import DistInfo
 from pytrain.train.guard import PendingStep
-from pytrain.train.step_rows import StepRows
+from pytrain.train.step_rows import Kept, StepRows, lost_rows, runs
 from pytrain.train.stopping import NothingToDo
 from pytrain.train.trainer import Trainer
 
@@ -96,13 +100,20 @@ def group_store() -> tuple[str, int]:
     return host, store.port  # type: ignore[attr-defined]
 
 
-def quorum_tag(group: int, groups: int, place: int, size: int, step: int) -> torch.Tensor:
+TAG_BLOCKS = 7
+
+
+def quorum_tag(group: int, groups: int, place: int, size: int, step: int,
+               kept: Kept | None = None, kept_id: int = 0) -> torch.Tensor:  # fmt: skip
     """What a group adds to the step's all-reduce to say how it cut the step: at its own
-    index (ft.group) of four blocks of `groups` entries, a one, its place in the quorum, the
-    quorum's size and the step. Summed, each group's entries stay apart, and quorum_mismatch
-    reads every contributor's view back."""
-    tag = torch.zeros(4, groups)
-    tag[:, group] = torch.tensor([1.0, place, size, step % (1 << 24)])  # exact in float32
+    index (ft.group) of seven blocks of `groups` entries, a one, its place in the quorum, the
+    quorum's size, the step, and where it keeps a failed attempt's work (Kept) its place in
+    that attempt's quorum plus one, that quorum's size and torchft's id of it (else zeros).
+    Summed, each group's entries stay apart, and quorum_mismatch reads every contributor's
+    view back."""
+    tag = torch.zeros(TAG_BLOCKS, groups)
+    was = (kept.place + 1, kept.groups, kept_id % (1 << 24)) if kept is not None else (0, 0, 0)
+    tag[:, group] = torch.tensor([1.0, place, size, step % (1 << 24), *was])  # exact in float32
     return tag.reshape(-1)
 
 
@@ -111,8 +122,9 @@ def quorum_mismatch(summed: torch.Tensor, groups: int, size: int, step: int) -> 
     `size` groups at `step`, or None where they did: one process a group, `size` of them,
     each with this step and size, their places 0..size-1 (so their shares cut the step's rows
     once each). Every contributor reads the same sums, so a mismatch fails every group's
-    vote, not only the one whose view differs."""
-    one, place, n, at = summed.reshape(4, groups).round().long()
+    vote, not only the one whose view differs. Where they keep a failed attempt's work, they
+    all do, from one quorum of more groups (the same size), in places of it of their own."""
+    one, place, n, at, was, before, kept_id = summed.reshape(TAG_BLOCKS, groups).round().long()
     if not bool(((one == 0) | (one == 1)).all()):
         return f"more than one process of group(s) {(one > 1).nonzero().flatten().tolist()}"
     members = one.nonzero().flatten()
@@ -125,6 +137,21 @@ def quorum_mismatch(summed: torch.Tensor, groups: int, size: int, step: int) -> 
         )
     if sorted(place[members].tolist()) != list(range(size)):
         return f"groups {members.tolist()} took the places {place[members].tolist()}"
+    if len(old := set(zip(before[members].tolist(), kept_id[members].tolist(), strict=True))) != 1:
+        return (
+            f"groups {members.tolist()} kept the work of attempts under quorums of "
+            f"{before[members].tolist()} groups of ids {kept_id[members].tolist()} (0: none)"
+        )
+    places = was[members] - 1
+    if (n_old := old.pop()[0]) and not (
+        n_old > size
+        and len(set(places.tolist())) == size
+        and bool(((places >= 0) & (places < n_old)).all())
+    ):
+        return (
+            f"groups {members.tolist()} kept the work of the places {places.tolist()} of a "
+            f"quorum of {n_old}"
+        )
     return None
 
 
@@ -298,6 +325,11 @@ class ReplicaGroupTrainer(Trainer):
         self._healed: int | None = None  # the step of a heal just applied
         self._quorum_s = 0.0  # the last quorum's seconds
         self._committed = False  # whether this process committed a step
+        # A failed attempt's work, until the next quorum says whether it is kept (_keep):
+        # (the step, its quorum's torchft id and replica ids, this group's place, the loss).
+        self._pending: tuple[int, int, list[str], int, torch.Tensor] | None = None
+        self._kept: Kept | None = None  # what the open attempt keeps
+        self._kept_from = (0, torch.zeros(()))  # its quorum's id, and its loss
 
     def _manager(self):
         ft, tf = self.cfg.ft, self.torchft
@@ -347,9 +379,10 @@ class ReplicaGroupTrainer(Trainer):
         self._healed = self.step
 
     # ---- a step ----------------------------------------------------------------------------
-    def _quorum(self) -> tuple[int, int]:
-        """(this group's place, the groups) of the next step's quorum, healed where behind;
-        NoQuorum, after a checkpoint, where none forms in time."""
+    def _quorum(self) -> tuple[int, int, Kept | None]:
+        """(this group's place, the groups, what it keeps of the step's failed attempt) of the
+        next step's quorum, healed where behind; NoQuorum, after a checkpoint, where none
+        forms in time."""
         t0 = time.perf_counter()
         try:
             self.manager.start_quorum()
@@ -361,11 +394,39 @@ class ReplicaGroupTrainer(Trainer):
         self._quorum_s = time.perf_counter() - t0
         if not self._committed and groups < self.cfg.ft.groups:
             self._stop_if_job_done()
-        if self._healed is not None:
+        healed = self._healed is not None
+        if healed:
             self.say(f"healed from a peer at step {self._healed} in {self._quorum_s:.2f}s")
             self._healed = None
         assert place is not None, "a synchronous quorum has every group in its step"
-        return place, groups
+        return place, groups, self._keep(groups, healed)
+
+    def _keep(self, groups: int, healed: bool) -> Kept | None:
+        """Whether the attempt under this quorum keeps the work of the step's last one, which
+        failed (pytrain.train.step_rows): where this quorum is that one's groups less some
+        that died (the same processes: a restarted group is a new replica id), no group
+        healed (all are at the step: a healed one was behind, or one of them committed it),
+        and the lost groups' rows give each rank of each survivor one at least. Every group
+        of the quorum decides alike from the same quorum. Else that work is dropped: the
+        step is cut anew and trained from zeroed gradients."""
+        pending, self._pending, self._kept = self._pending, None, None
+        if pending is None:
+            return None
+        step, quorum_id, ids, place, loss = pending
+        now = list(self.quorums.last.replica_ids)
+        lost = tuple(i for i, r in enumerate(ids) if r not in now)
+        kept = Kept(place, len(ids), lost)
+        if (
+            healed
+            or step != self.step
+            or not lost
+            or not set(now) <= set(ids)
+            or len(lost_rows(self.rows, kept)) < groups * self.dist.world_size
+        ):
+            self.gpt.discard_step()  # its rows are given back: so is what they routed
+            return None
+        self._kept, self._kept_from = kept, (quorum_id, loss)
+        return kept
 
     def _stop_if_job_done(self) -> None:
         """NothingToDo where the peers ended the job while this group was being built: it
@@ -411,14 +472,19 @@ class ReplicaGroupTrainer(Trainer):
         # all of the step's rows).
         votes = distributed.all_sums(list(self.stop.vote()), self.dist, self.device)
         denom = max(self.rows_feed.loss_tokens, 1)
-        loss_sum, fallbacks = self._backward_with_fallback(batches, denom)
+        kept = self._kept
+        if kept is None:
+            loss_sum, fallbacks = self._backward_with_fallback(batches, denom)
+        else:
+            loss_sum, fallbacks = self._top_up(batches, denom)
         t0 = time.perf_counter()
         ft, place, size = (
             self.cfg.ft,
             self.manager.participating_rank(),
             self.manager.num_participants(),
         )
-        tag, times = quorum_tag(ft.group, ft.groups, place, size, self.step), dict[str, float]()
+        tag = quorum_tag(ft.group, ft.groups, place, size, self.step, kept, self._kept_from[0])
+        times = dict[str, float]()
         total = sum_over_groups(
             self.manager, self.cross_pg, self._grads() + self.gpt.step_sums(), loss_sum, tag,
             lambda summed: quorum_mismatch(summed, ft.groups, size, self.step), times,
@@ -427,13 +493,33 @@ class ReplicaGroupTrainer(Trainer):
         if total is None:
             self.say(f"step {self.step + 1} not committed under this quorum of {size} group(s): "
                      f"{self._why_not()}; tried again (detail in {self.ft_log})")  # fmt: skip
-            self.gpt.discard_step()  # its rows are given back: so is what they routed
+            if kept is None and not fallbacks:  # kept or dropped at the next quorum (_keep)
+                quorum_id, _ = self.quorums.id_and_members()
+                ids = list(self.quorums.last.replica_ids)
+                self._pending = (self.step, quorum_id or 0, ids, place, loss_sum)
+            else:
+                self.gpt.discard_step()  # its rows are given back: so is what they routed
             return None
         self.rows_feed.commit()
         self._committed = True
         loss = distributed.all_sum_tensor(total, self.dist) / denom
         tokens = self.rows * self.cfg.data.seq_len
         return self.update(loss, denom, tokens, fallbacks, self.stop.agreed(*votes))
+
+    def _top_up(self, batches, denom: float) -> tuple[torch.Tensor, list[str]]:
+        """Forward and backward of this rank's part of the lost groups' rows (`batches`),
+        added to the gradients (and a mixture's loads) that the failed attempt left: its
+        loss plus theirs. A compile failure here drops a compile level, as
+        _backward_with_fallback does, and fails the step's vote in every group (the kept
+        gradients may hold part of the failed pass): the next attempt keeps nothing."""
+        try:
+            return self._kept_from[1] + self._forward_backward(batches, denom), []
+        except Exception as e:  # re-raised unless a lower compile level avoids it
+            fallback = self.compiler.fall_back(e, self.step)
+            self.manager.report_error(
+                RuntimeError(f"a compile fallback in a kept attempt: {fallback}")
+            )
+            return self._kept_from[1], [fallback]
 
     def _why_not(self) -> str:
         """Why the step's vote failed, in a few words: this rank's error (gloo's message
@@ -451,7 +537,8 @@ class ReplicaGroupTrainer(Trainer):
         gradient gets zeros."""
         if self.master:
             masters = self.opt_step.masters
-            if masters.flat_grad is None:  # one micro-batch left them in .grad
+            # One micro-batch left them in .grad (or a kept attempt's one: added to the sum).
+            if masters.flat_grad is None or any(p.grad is not None for p in masters.params):
                 masters.accumulate()
             assert masters.flat_grad is not None
             return [masters.flat_grad]
@@ -482,11 +569,23 @@ class ReplicaGroupTrainer(Trainer):
             "groups": self.manager.num_participants(), "quorum": quorum, "members": members,
             "share": [start + first, start + end - 1],
             "crc": self.rows_feed.group_crc(), "pid": os.getpid(), "time": time.time(),
+            **self._kept_fields(start),
             "quorum_ms": round(self._quorum_s * 1e3, 2), "sync_ms": round(sync_s * 1e3, 2),
             **{k: round(v, 2) for k, v in times.items()},
         }  # fmt: skip
         self.ledger.write(json.dumps(line) + "\n")
         self.ledger.flush()
+
+    def _kept_fields(self, start: int) -> dict:
+        """The ledger's fields of an attempt that kept a failed one's work: that attempt's
+        quorum (`kept_from`, torchft's id), and the rows of the lost groups that this group
+        trained in this one (`extra`, [first, last] runs in the global order) with their
+        CRC-32 (`extra_crc`); `share` and `crc` are then the kept attempt's share."""
+        if self._kept is None or self.rows_feed.extra_rows is None:
+            return {}
+        extra = [[start + a, start + b] for a, b in runs(self.rows_feed.extra_rows)]
+        return {"kept_from": self._kept_from[0], "extra": extra,
+                "extra_crc": self.rows_feed.group_crc(extra=True)}  # fmt: skip
 
     def close(self, status: str = "FAILED") -> None:
         if self.ledger is not None:

@@ -6,13 +6,21 @@ cuts them: group g of the quorum's G takes the contiguous rows `share(rows, G, g
 group's ranks cut that share again the same way. A step that commits moves the order on by
 `rows`, whatever G was; one that does not gives its rows back (`rewind`), and the next
 attempt cuts the same rows by its own quorum. Since every rank read all of the step's rows,
-each knows the step's loss tokens (the loss's denominator) without asking the others."""
+each knows the step's loss tokens (the loss's denominator) without asking the others.
+
+An attempt that failed because groups died keeps its work where the next quorum is the same
+groups less the dead (`Kept`): each survivor keeps the gradients of its share under the old
+quorum, and the dead groups' shares, taken together in row order, are cut again over the
+new quorum as a step is. The survivors then train about a step over the quorum's size each,
+not a whole step again (a group dead of three: half a step, not one and a half), and every
+row of the step is still trained once."""
 
 from __future__ import annotations
 
 import time
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -24,6 +32,34 @@ def share(rows: int, parts: int, index: int) -> tuple[int, int]:
     """[first, end) of part `index` when `rows` rows are cut into `parts` contiguous parts
     whose sizes differ by one at most."""
     return rows * index // parts, rows * (index + 1) // parts
+
+
+@dataclass(frozen=True)
+class Kept:
+    """What an attempt that did not commit leaves to the next one, under a quorum of the same
+    groups less some that died: this group's `place` in the old quorum of `groups`, and the
+    old places of the groups the new quorum lacks (`lost`)."""
+
+    place: int
+    groups: int
+    lost: tuple[int, ...]
+
+
+def lost_rows(rows: int, kept: Kept) -> torch.Tensor:
+    """The step's rows (indices within it, in order) that the lost groups had: what the
+    survivors of `kept`'s quorum train again between them."""
+    return torch.cat([torch.arange(*share(rows, kept.groups, p)) for p in sorted(kept.lost)])
+
+
+def runs(index: torch.Tensor) -> list[list[int]]:
+    """Sorted row indices as [first, last] runs of consecutive rows (the ledger's form)."""
+    out: list[list[int]] = []
+    for i in index.tolist():
+        if out and out[-1][1] == i - 1:
+            out[-1][1] = i
+        else:
+            out.append([i, i])
+    return out
 
 
 def _host_batch(tokens: torch.Tensor, doc_ids: torch.Tensor, epoch: int) -> HostBatch:
@@ -49,33 +85,47 @@ class StepRows:
         self.rows = rows
         """The global batch: rows a step trains over every group of its quorum."""
         self.rank, self.ranks = rank, ranks  # within the group
-        self.quorum: Callable[[], tuple[int, int]] = lambda: (0, 1)
-        """(this group's place in the step's quorum, the quorum's groups)."""
+        self.quorum: Callable[[], tuple[int, int, Kept | None]] = lambda: (0, 1, None)
+        """(this group's place in the step's quorum, the quorum's groups, what this group
+        keeps of the step's failed attempt or None)."""
         self.loss_tokens = 0
         """Loss tokens of the step's rows, over every group."""
         self.group_rows = (0, 0)
-        """[first, end) of this group's rows within the step."""
+        """[first, end) of this group's rows within the step (under a Kept quorum: those of
+        the attempt it keeps)."""
+        self.extra_rows: torch.Tensor | None = None
+        """Under a Kept quorum, the indices within the step of the lost groups' rows that this
+        group trains in this attempt; else None."""
         self._rows: tuple[torch.Tensor, torch.Tensor] | None = None  # the step's tokens, doc ids
         self._start: dict | None = None  # loader state before the open step's rows
 
     def take(self, n: int = 0) -> tuple[list[DeviceBatch], FeedTime]:
         """This rank's micro-batches of the next step (`n`, DeviceFeed's count, is decided
-        here by the quorum) and the host's time spent on them."""
-        group, groups = self.quorum()
+        here by the quorum) and the host's time spent on them: its part of the group's share,
+        or under a Kept quorum its part of the group's piece of the lost groups' rows."""
+        group, groups, kept = self.quorum()
         waited, t0 = self.loader.waited_s(), time.perf_counter()
         self._start = self.loader.state_dict()
         tokens, doc_ids, epochs = self._read()
         self._rows = tokens, doc_ids
         self.loss_tokens = int(loss_mask(doc_ids).sum())
-        first, end = self.group_rows = share(self.rows, groups, group)
-        mine, mine_end = share(end - first, self.ranks, self.rank)
+        if kept is None:
+            first, end = self.group_rows = share(self.rows, groups, group)
+            self.extra_rows = None
+            index = torch.arange(first, end)
+        else:
+            self.group_rows = share(self.rows, kept.groups, kept.place)
+            lost = lost_rows(self.rows, kept)
+            index = self.extra_rows = lost[slice(*share(len(lost), groups, group))]
+        mine = index[slice(*share(len(index), self.ranks, self.rank))]
         size = self.loader.config.batch_size
         batches = [
-            _host_batch(tokens[i : min(i + size, first + mine_end)],
-                        doc_ids[i : min(i + size, first + mine_end)], epochs[i // size],
-                        ).to(self.device, self.segments)
-            for i in range(first + mine, first + mine_end, size)
-        ]  # fmt: skip
+            _host_batch(tokens[part], doc_ids[part], epochs[int(part[0]) // size]).to(
+                self.device, self.segments
+            )
+            for part in mine.split(size)
+            if len(part)
+        ]
         spent = FeedTime(self.loader.waited_s() - waited, time.perf_counter() - t0)
         return batches, spent
 
@@ -90,10 +140,13 @@ class StepRows:
         tokens, doc_ids, epochs = zip(*parts, strict=True)
         return torch.cat(tokens), torch.cat(doc_ids), list(epochs)
 
-    def group_crc(self) -> int:
+    def group_crc(self, extra: bool = False) -> int:
         """CRC-32 of the tokens of this group's rows of the open step, in order (the ledger's
-        fingerprint of what the group trained)."""
+        fingerprint of what the group trained); `extra`: of its extra_rows."""
         assert self._rows is not None
+        if extra:
+            assert self.extra_rows is not None
+            return zlib.crc32(self._rows[0][self.extra_rows].contiguous().numpy().tobytes())
         first, end = self.group_rows
         return zlib.crc32(self._rows[0][first:end].contiguous().numpy().tobytes())
 
