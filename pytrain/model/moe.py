@@ -18,6 +18,7 @@ sequence-level) and the router z-loss are options, returned beside the output.""
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -38,13 +39,46 @@ def grouped_swiglu(x, up, down, offsets, mm=torch._grouped_mm) -> torch.Tensor:
     return mm(F.silu(a) * b, down.transpose(-2, -1), offs=offsets)
 
 
+def aligned_groups(
+    offs: torch.Tensor, rows: int, align: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Where each of `rows` tokens sorted by expert goes when every expert's rows are padded
+    to a multiple of `align` (FP8 grouped GEMMs need 16): (each token's row in the padded
+    layout, the padded groups' end offsets, the padded layout's rows). The layout's size is
+    the most padding can need, rows + experts x (align - 1), so that it is known without
+    reading the counts on the host; rows past the last offset belong to no expert."""
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    padded = (counts + align - 1) // align * align
+    ends = padded.cumsum(0).to(torch.int32)
+    token = torch.arange(rows, device=offs.device, dtype=offs.dtype)
+    expert = torch.searchsorted(offs, token, right=True)
+    shift = (ends - padded) - (offs - counts)  # each expert's padded start less its start
+    return token.long() + shift[expert].long(), ends, rows + offs.numel() * (align - 1)
+
+
+def padded_grouped_mm(x, w_t, offs, mm, align: int = 16) -> torch.Tensor:
+    """`mm` (a grouped GEMM that needs each expert's rows a multiple of `align`) over x's
+    rows put in that layout (zeros between experts) and taken back out: gathers, no host
+    sync, differentiable."""
+    dest, ends, size = aligned_groups(offs, x.shape[0], align)
+    padded = x.new_zeros(size, x.shape[1]).index_copy(0, dest, x)
+    return mm(padded, w_t, ends).index_select(0, dest)
+
+
 def float8_grouped_mm(x, w_t, offs) -> torch.Tensor:
     """torch._grouped_mm in FP8 (e4m3, a scale for each row of the tokens and each column of
     an expert's weight, rounded to powers of 2), forward and backward: torchao's MoE training
-    path, which pads each expert's rows to the 16 its kernel needs. Output in x's dtype."""
+    path, over each expert's rows padded to the 16 its kernel needs (padded_grouped_mm:
+    torchao's own padding, its default, asserts that it is not supported in 0.17 and 0.18).
+    Output in x's dtype."""
     from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
 
-    return _to_fp8_rowwise_then_scaled_grouped_mm(x, w_t, offs, out_dtype=x.dtype)
+    def mm(a, b, ends):
+        return _to_fp8_rowwise_then_scaled_grouped_mm(
+            a, b, ends, out_dtype=x.dtype, pad_token_groups_for_grouped_mm=False
+        )
+
+    return padded_grouped_mm(x, w_t, offs, mm)
 
 
 def check_float8_experts(cfg: ModelConfig, device: torch.device) -> None:
@@ -59,12 +93,20 @@ def check_float8_experts(cfg: ModelConfig, device: torch.device) -> None:
             f"later); this run is on {device}"
         )
     try:
-        from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm  # noqa: F401
+        from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
     except ImportError as e:
         raise ConfigError(
             f"model.moe_kernel=float8 needs torchao's MoE training path, which does not "
             f"import here ({e}): pip install 'pytrain[float8]'"
         ) from None
+    if (
+        "pad_token_groups_for_grouped_mm"
+        not in inspect.signature(_to_fp8_rowwise_then_scaled_grouped_mm).parameters
+    ):
+        raise ConfigError(
+            "model.moe_kernel=float8 needs torchao 0.17 or later (its FP8 grouped GEMM's "
+            "pad_token_groups_for_grouped_mm): pip install -U 'pytrain[float8]'"
+        )
 
 
 def looped_swiglu(x, up, down, counts) -> torch.Tensor:
