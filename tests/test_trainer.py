@@ -358,6 +358,8 @@ def test_profile_window_writes_a_trace_and_a_summary(small_corpus, tmp_path):
         ("Memset (Device)", "copies / memset"),
         ("nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NTN", "matmul"),
         ("kernel_cutlass_kernel_flash_attncuteflash_bwd_sm90FlashAttentionBackwardSm90", "attention backward"),
+        # torch._grouped_mm's CUTLASS kernel on an H100 (the MoE preset's profile): a matmul before
+        ("_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9xINS_4gemm6kernel13GemmUniversalINS5_17GroupProblem", "grouped GEMM"),
     ],
 )  # fmt: skip
 def test_profile_categories(kernel, want):

@@ -25,8 +25,9 @@ CATEGORIES = (
     ("attention forward", r"flash|fmha|attention|attn|sdpa"),
     # A mixture of experts' own: torch._grouped_mm's kernels, and the routing around them
     # (top-k, the stable sort by expert, the gathers and scatters that permute the tokens;
-    # Inductor names its kernels after the ops they fuse).
-    ("grouped GEMM (experts)", r"grouped|group_gemm"),
+    # Inductor names its kernels after the ops they fuse). CUTLASS's grouped GEMMs, as
+    # torch._grouped_mm runs them on Hopper, are named for their GroupProblemShape.
+    ("grouped GEMM (experts)", r"grouped|group_gemm|groupproblem"),
     ("routing: top-k, sort, gathers, scatters", r"topk|sort|radix|gather|scatter|index_put"),
     ("matmul", r"gemm|nvjet|sm90_xmma|cutlass|cublas|wgmma|matmul|mm_"),
     ("optimizer", r"adam|foreach|multi_tensor|norm_kernel|fused_adam"),
