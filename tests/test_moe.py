@@ -235,3 +235,28 @@ def test_padding_each_experts_rows_for_fp8_gemms_changes_no_row_or_gradient():
         results.append([y, xs.grad, us.grad, ds.grad])
     for name, a, b in zip(("out", "x", "up", "down"), *results, strict=True):
         assert torch.equal(a, b), name
+
+
+def test_the_routing_permutations_backward_is_autograds_gather_backward():
+    """_Dispatch (each token's k copies in expert order) and _Permute (the outputs back in
+    slot order) give autograd's own `x[index]` values and gradients, their backwards
+    gathers by the inverse permutation instead of a zeroed buffer added into."""
+    from pytrain.model.moe import _Dispatch, _Permute
+
+    torch.manual_seed(0)
+    N, k, d = 7, 3, 5
+    order = torch.randint(0, 4, (N * k,)).argsort(stable=True)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(N * k)
+    x = torch.randn(N, d, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(N * k, d, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(N * k, d, dtype=torch.float64)
+    ours = _Dispatch.apply(x, order, inverse, k)
+    theirs = x.unsqueeze(1).expand(-1, k, -1).reshape(-1, d)[order]
+    assert torch.equal(ours, theirs)
+    a, b = (torch.autograd.grad(t, x, g)[0] for t in (ours, theirs))
+    assert torch.allclose(a, b, rtol=0, atol=1e-12)
+    ours, theirs = _Permute.apply(y, inverse, order), y[inverse]
+    assert torch.equal(ours, theirs)
+    assert torch.equal(*(torch.autograd.grad(t, y, g)[0] for t in (ours, theirs)))
+    assert torch.autograd.gradcheck(lambda t: _Dispatch.apply(t, order, inverse, k), (x,))
