@@ -64,6 +64,15 @@ def _cpus() -> str:
     return f"{usable} CPUs{model}" + (f" (of {total})" if usable != total else "")
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for a child process of a benchmark: this one's, with the repository
+    first on PYTHONPATH (kept after it: where a host's extra packages were put there, such
+    as torchft or torchao installed into a folder of their own) and `extra` added."""
+    root = str(Path(__file__).resolve().parent.parent)
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 def machine_line() -> str:
     """What a benchmark measured on, in one line: GPUs (model, memory, power limit), CPUs,
     torch and the CUDA it was built with, Python."""

@@ -13,7 +13,6 @@ AdamW's on the same CPU setting."""
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import tempfile
@@ -22,7 +21,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import machine_line, markdown_table, median_steady, read_steps  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    child_env,
+    machine_line,
+    markdown_table,
+    median_steady,
+    read_steps,
+)
 
 # A child's trainer: the embedded default, Muon's iteration set to the row's dtype.
 CHILD = """
@@ -50,7 +55,7 @@ def step_ms(optim: str, ns: str, env: dict, steps: int) -> float:
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-c", CHILD, optim, ns, out, str(steps)]
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
-                           env={**os.environ, "PYTHONPATH": str(ROOT), **env})  # fmt: skip
+                           env=child_env(**env))  # fmt: skip
         if r.returncode:
             raise SystemExit(f"{optim} {ns}: exit {r.returncode}: {r.stderr.strip()[-800:]}")
         ms = median_steady(read_steps(Path(out) / "default" / "train.log"), "step_ms", skip=2)

@@ -56,7 +56,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import harness  # noqa: E402
 
 PY = sys.executable
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "RUST_LOG": "warn"}
+ENV = harness.child_env(OMP_NUM_THREADS="1", RUST_LOG="warn")
 
 
 def train_flags(work: Path, name: str, steps: int, extra: list[str]) -> list[str]:
