@@ -101,12 +101,22 @@ With --memory-peaks, both sides also record the CUDA allocator's history on rank
 over steps 3-4, `--profile_steps 3:5 --profile_memory`; torchtitan from its start, its
 memory snapshot at the last step) and a table of what held each run's peak follows the
 results (pytrain/train/memory_peak.py reads both). The recording costs host time: tokens/s
-of such a command are not the results'."""
+of such a command are not the results'.
+
+With --kernel-profile, both sides profile their last steps with torch.profiler (ours
+`--profile_steps`, its summary.json; torchtitan `--profiling.enable_profiling`, its chrome
+trace of rank 0, read by benchmarks/chrome_trace.py) and a table of each run's device time
+a step by kernel category (pytrain/train/profiling.py's categories: grouped GEMMs, routing,
+attention, matmuls, ...) follows the results. Tokens/s then count the profiling too.
+
+    python benchmarks/titan.py --titan-site DIR --shape qwen3-moe-8l --seq 4096 --rows 2 \
+        --steps 12 --runs "ours bf16,torchtitan bf16" --ours-ac selective,off --kernel-profile"""
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import re
 import shlex
@@ -120,6 +130,7 @@ from statistics import fmean
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.chrome_trace import side_by_side, trace_summary  # noqa: E402
 from benchmarks.harness import (  # noqa: E402
     failure_line,
     kill_tree,
@@ -317,10 +328,11 @@ def run_titan(
     work: Path, site: Path, shape: dict, gpus: int, seq: int, rows: int, accum: int, steps: int,
     label: str, float8: tuple[str, list[str]] | None, val: Path | None = None,
     memory: bool = False, seed: int | None = None, warmup: int | None = None,
+    profile: bool = False,
 ) -> dict:  # fmt: skip
     """torchtitan's trainer (titan_command's arguments; `label` names its log)."""
     cmd = titan_command(
-        work, shape, gpus, seq, rows, accum, steps, float8, val, memory, seed, warmup
+        work, shape, gpus, seq, rows, accum, steps, float8, val, memory, seed, warmup, profile
     )
     env = {**os.environ, **titan_env(site)}
     t0 = time.perf_counter()
@@ -328,6 +340,8 @@ def run_titan(
     wall = time.perf_counter() - t0
     snap = titan_snapshot(work / "titan-out", steps)
     memory_md = peak_table(snap) if memory and snap.exists() else None
+    trace = titan_trace(work / "titan-out") if profile else None
+    kernels = trace_summary(trace) if trace is not None else None
     shutil.rmtree(work / "titan-out", ignore_errors=True)
     log = re.sub(r"\x1b\[[0-9;]*m", "", r.stdout + r.stderr)
     (work / f"titan-{seq}-{label.replace(' ', '-')}.log").write_text(log)
@@ -339,18 +353,19 @@ def run_titan(
             "peak_gib": max(x["memory_gib"] for x in logged), "wall_s": round(wall),
             "train_loss": quarter_means([x["loss"] for x in logged]),
             **({"val_loss": float(vals[-1])} if vals else {}),
-            **({"memory": memory_md} if memory_md else {})}  # fmt: skip
+            **({"memory": memory_md} if memory_md else {}),
+            **({"kernels": kernels} if kernels else {})}  # fmt: skip
 
 
 def titan_command(
     work: Path, shape: dict, gpus: int, seq: int, rows: int, accum: int, steps: int,
     float8: tuple[str, list[str]] | None, val: Path | None = None, memory: bool = False,
-    seed: int | None = None, warmup: int | None = None,
+    seed: int | None = None, warmup: int | None = None, profile: bool = False,
 ) -> list[str]:  # fmt: skip
     """torchtitan's command line: its trainer under torchrun through this script's worker
     (titan_worker); `float8`: None for bf16, else TITAN_RUNS' (recipe, layers);
     `seed`: its --debug.seed (None: its default); `warmup`: with `val` (--quality), the
-    warm-up's steps (None: a tenth of `steps`)."""
+    warm-up's steps (None: a tenth of `steps`); `profile`: --kernel-profile's flags."""
     corpus, tok = work / "titan-corpus", work / "titan-tokenizer"  # written by main()
     cmd = [*torchrun(gpus), str(Path(__file__).resolve()), "--titan-run",
            "--model.name", shape.get("titan_model", "llama3"), "--model.flavor", shape["titan_flavor"],
@@ -371,6 +386,8 @@ def titan_command(
                 str(steps // 10 if warmup is None else warmup)]  # fmt: skip
     if memory:
         cmd += titan_memory_flags(steps)
+    if profile:
+        cmd += titan_profile_flags(steps)
     return cmd
 
 
@@ -385,6 +402,26 @@ def titan_env(site: Path) -> dict[str, str]:
 
 
 MEMORY_WINDOW = "3:5"  # --memory-peaks: ours records steps 3 and 4
+PROFILED = 2  # --kernel-profile: each side's last steps profiled, after one of warm-up
+
+
+def titan_profile_flags(steps: int) -> list[str]:
+    """torchtitan's torch.profiler over its last PROFILED steps (--kernel-profile): one
+    cycle of `steps` steps, its trace written at the last (titan_trace)."""
+    return ["--profiling.enable_profiling", "--profiling.save_traces_folder", "profile_traces",
+            "--profiling.profile_freq", str(steps), "--profiling.profiler_warmup", "1",
+            "--profiling.profiler_active", str(PROFILED)]  # fmt: skip
+
+
+def titan_trace(dump_folder: Path) -> Path | None:
+    """Rank 0's chrome trace, where torchtitan 0.2.2 writes it (iteration_N/rank0_trace.json)."""
+    found = sorted((dump_folder / "profile_traces").glob("iteration_*/rank0_trace.json"))
+    return found[-1] if found else None
+
+
+def ours_profile_window(steps: int) -> str:
+    """--profile_steps for ours' last PROFILED steps before its last (--kernel-profile)."""
+    return f"{steps - PROFILED}:{steps}"
 
 
 def titan_memory_flags(steps: int) -> list[str]:
@@ -413,7 +450,7 @@ def peak_table(snapshot_path: Path) -> str:
 def run_ours(
     work: Path, shape: dict, gpus: int, seq: int, rows: int, accum: int, steps: int, label: str,
     extra: list[str], text: tuple[Path, Path] | None = None, memory: bool = False,
-    warmup: int | None = None,
+    warmup: int | None = None, profile: bool = False,
 ) -> dict:  # fmt: skip
     """Ours' trainer (ours_command's arguments), on synthetic ids at the shape's vocabulary
     written here where missing."""
@@ -427,7 +464,7 @@ def run_ours(
     # A fresh run directory: an old one would be resumed (and its ~16 GB checkpoint kept).
     shutil.rmtree(work / "runs" / name, ignore_errors=True)
     cmd = ours_command(
-        work, shape, gpus, seq, rows, accum, steps, label, extra, text, memory, warmup
+        work, shape, gpus, seq, rows, accum, steps, label, extra, text, memory, warmup, profile
     )
     log = work / "runs" / name / "train.log"
     t0 = time.perf_counter()
@@ -441,6 +478,7 @@ def run_ours(
         return {"error": failure_line(out)}
     vals = re.findall(r"step \d+ val_loss ([\d.]+)", log.read_text())
     md = work / "runs" / name / "profile" / "memory.md"
+    kernels = work / "runs" / name / "profile" / "summary.json"
     # What `auto` resolved to (a missing FA4 library turns attention into flex, silently
     # slower), and any compile fallback: the table shows both beside the figures.
     start = read_start_line(out) or {}
@@ -452,13 +490,15 @@ def run_ours(
             "setup": "; ".join([setup or "?", *read_fallbacks(out)]), "wall_s": round(wall),
             "train_loss": quarter_means([x["loss"] for x in logged if "loss" in x]),
             **({"val_loss": float(vals[-1])} if vals else {}),
-            **({"memory": md.read_text()} if memory and md.exists() else {})}  # fmt: skip
+            **({"memory": md.read_text()} if memory and md.exists() else {}),
+            **({"kernels": json.loads(kernels.read_text())}
+               if profile and kernels.exists() else {})}  # fmt: skip
 
 
 def ours_command(
     work: Path, shape: dict, gpus: int, seq: int, rows: int, accum: int, steps: int, label: str,
     extra: list[str], text: tuple[Path, Path] | None = None, memory: bool = False,
-    warmup: int | None = None,
+    warmup: int | None = None, profile: bool = False,
 ) -> list[str]:  # fmt: skip
     """Ours' command line: the preset with the shape's flags and then `extra`, on synthetic
     ids (synthetic_ids); with `text` (--quality), on that packed train and validation text,
@@ -472,6 +512,8 @@ def ours_command(
                  str(steps // 10 if warmup is None else warmup)]  # fmt: skip
     if memory:
         extra = [*extra, "--profile_steps", MEMORY_WINDOW, "--profile_memory"]
+    if profile:
+        extra = [*extra, "--profile_steps", ours_profile_window(steps)]
     launch = [*torchrun(gpus), "-m"] if gpus > 1 else [sys.executable, "-m"]
     return [*launch, "pytrain.train", "--no-progress", "--config", shape["preset"],
             *shape.get("ours_flags", []),
@@ -805,7 +847,16 @@ def main() -> int:
     p.add_argument("--memory-peaks", action="store_true",
                    help="both sides record the allocator's history; what held each run's peak "
                    "follows the results (tokens/s then count the recording)")  # fmt: skip
+    p.add_argument("--kernel-profile", action="store_true",
+                   help="both sides profile their last steps; each run's device time a step "
+                   "by kernel category follows the results (tokens/s then count the profiling)")  # fmt: skip
     args = p.parse_args()
+    if args.kernel_profile and args.memory_peaks:
+        p.error("--kernel-profile and --memory-peaks each profile a window: one at a time")
+    if args.kernel_profile and args.steps < PROFILED + 2:
+        p.error(
+            f"--kernel-profile profiles the last {PROFILED} steps after warm-up: --steps at least {PROFILED + 2}"
+        )
     if args.memory_peaks and args.steps < int(MEMORY_WINDOW.split(":")[1]):
         p.error(f"--memory-peaks records ours over steps {MEMORY_WINDOW}: --steps at least 5")
     if args.dry_run and args.quality:
@@ -839,7 +890,7 @@ def main() -> int:
                 work, shape, args.gpus, seq, args.rows, args.accum, args.steps,
                 re.sub(r"[^A-Za-z0-9.]+", "-", label.removeprefix("ours ")).strip("-"),
                 [*OURS_RUNS[name], *flags, *shlex.split(args.ours_flags), *seed_flags],
-                ours_text, args.memory_peaks, args.warmup,
+                ours_text, args.memory_peaks, args.warmup, profile=args.kernel_profile,
             )  # fmt: skip
             print(run_line(seq, label, r[label]), flush=True)
         for name in titan_runs:
@@ -847,6 +898,7 @@ def main() -> int:
             r[label] = run_titan_(
                 work, args.titan_site, shape, args.gpus, seq, args.rows, args.accum, args.steps,
                 name + tag, TITAN_RUNS[name], titan_val, args.memory_peaks, seed, args.warmup,
+                profile=args.kernel_profile,
             )  # fmt: skip
             print(run_line(seq, label, r[label]), flush=True)
     if args.dry_run:
@@ -896,6 +948,12 @@ def main() -> int:
     print("\n" + markdown_table(["seq", "comparison", "ours", "torchtitan", "ratio",
                                   "peak GiB, ours - torchtitan"], rows))  # fmt: skip
     for seq, r in results.items():
+        profiled = {name: x["kernels"] for name, x in r.items() if "kernels" in x}
+        if args.kernel_profile:
+            print(f"\nDevice time a step by kernel category at {seq} (rank 0; the last "
+                  f"{PROFILED} steps; runs without a profile: {sorted(set(r) - set(profiled))})\n")  # fmt: skip
+            if profiled:
+                print(markdown_table(*side_by_side(profiled)))
         for name, x in r.items():
             if args.memory_peaks:
                 print(f"\nWhat held the peak, {name} at {seq} (rank 0):\n")

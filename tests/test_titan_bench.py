@@ -160,11 +160,11 @@ def run_main(monkeypatch, tmp_path, ours, torchtitan, *args: str) -> None:
     run_ours' and run_titan's arguments as main() passes them)."""
 
     def fake_ours(work, shape, gpus, seq, rows, accum, steps, label, extra, text=None,
-                  memory=False, warmup=None):  # fmt: skip
+                  memory=False, warmup=None, profile=False):  # fmt: skip
         return ours(label, extra, warmup)
 
     def fake_titan(work, site, shape, gpus, seq, rows, accum, steps, label, float8, val=None,
-                   memory=False, seed=None, warmup=None):  # fmt: skip
+                   memory=False, seed=None, warmup=None, profile=False):  # fmt: skip
         return torchtitan(label, float8, seed, warmup)
 
     monkeypatch.setattr(titan, "run_ours", fake_ours)
@@ -361,3 +361,78 @@ def test_torchao_017s_float8_moe_config_answers_to_torchtitans_old_name(monkeypa
     utils.MoETrainingConfig = old = object()
     titan.alias_torchao_moe_config()
     assert utils.MoETrainingConfig is old
+
+
+def test_kernel_profile_sums_a_chrome_trace_by_category_beside_ours(tmp_path, monkeypatch, capsys):
+    """--kernel-profile: torchtitan's chrome trace (here a real torch.profiler trace of two
+    CPU steps, with device events added as torchtitan's CUDA traces have them) summed a step
+    by pytrain's kernel categories; both sides' commands profile their last steps; main()
+    prints the categories side by side and refuses --memory-peaks beside it."""
+    import json
+    import subprocess
+    import sys
+
+    import torch
+
+    chrome_trace = load_script("benchmarks/chrome_trace.py", "chrome_trace_bench")
+    path = tmp_path / "rank0_trace.json"
+    with torch.profiler.profile(  # as torchtitan's: the trace written when the cycle ends
+        schedule=torch.profiler.schedule(wait=0, warmup=1, active=2),
+        on_trace_ready=lambda prof: prof.export_chrome_trace(str(path)),
+    ) as p:
+        for _ in range(3):
+            torch.ones(64).sum()
+            p.step()
+    trace = json.loads(path.read_text())
+    grouped = "_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9xINS_4gemm6kernel13GemmUniversalINS5_17GroupProblem"
+    trace["traceEvents"] += [
+        {"ph": "X", "cat": "kernel", "name": grouped, "ts": 0, "dur": 3000.0},
+        {"ph": "X", "cat": "kernel", "name": "void at::native::sbtopk::gatherTopK<float>", "ts": 0, "dur": 1000.0},
+        {"ph": "X", "cat": "gpu_memset", "name": "Memset (Device)", "ts": 0, "dur": 200.0},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 9999.0},
+    ]  # fmt: skip
+    path.write_text(json.dumps(trace))
+    s = chrome_trace.trace_summary(path)
+    assert s["steps"] == 2 and s["step_ms"] > 0
+    assert s["categories_ms"] == {"grouped GEMM (experts)": 1.5,
+                                  "routing: top-k, sort, gathers, scatters": 0.5,
+                                  "copies / memset": 0.1}  # fmt: skip
+    assert s["device_busy_ms"] == pytest.approx(2.1)
+    assert s["device_idle_ms"] == pytest.approx(s["step_ms"] - 2.1)
+    (tmp_path / "empty.json").write_text(json.dumps({"traceEvents": []}))
+    with pytest.raises(ValueError, match="no ProfilerStep"):
+        chrome_trace.trace_summary(tmp_path / "empty.json")
+
+    moe = titan.SHAPES["qwen3-moe-8l"]
+    line = " ".join(titan.titan_command(tmp_path, moe, 1, 4096, 2, 1, 12, None, profile=True))
+    assert ("--profiling.enable_profiling --profiling.save_traces_folder profile_traces "
+            "--profiling.profile_freq 12 --profiling.profiler_warmup 1 "
+            "--profiling.profiler_active 2") in line  # fmt: skip
+    ours = titan.ours_command(tmp_path, moe, 1, 4096, 2, 1, 12, "bf16", [], profile=True)
+    assert ours[-2:] == ["--profile_steps", "10:12"]
+    traced = tmp_path / "titan-out" / "profile_traces" / "iteration_12" / "rank0_trace.json"
+    assert titan.titan_trace(tmp_path / "titan-out") is None
+    traced.parent.mkdir(parents=True)
+    traced.write_text(path.read_text())
+    assert titan.titan_trace(tmp_path / "titan-out") == traced
+
+    ours_profile = {**s, "categories_ms": {"grouped GEMM (experts)": 1.0}}
+
+    def ours_run(label, extra, warmup):
+        return {"tokens_per_s": 100.0, "peak_gib": 50.0, "setup": "x", "val_loss": 6.2,
+                "train_loss": [], "kernels": ours_profile}  # fmt: skip
+
+    def titan_run(label, float8, seed, warmup):
+        return {"tokens_per_s": 90.0, "peak_gib": 51.0, "val_loss": 6.5, "train_loss": [],
+                "kernels": s}  # fmt: skip
+
+    run_main(monkeypatch, tmp_path, ours_run, titan_run, "--runs", "ours bf16,torchtitan bf16",
+             "--kernel-profile")  # fmt: skip
+    out = capsys.readouterr().out
+    assert "| ms a step | ours bf16 | torchtitan bf16 |" in out
+    assert "| grouped GEMM (experts) | 1.0 | 1.5 |" in out
+    assert "| routing: top-k, sort, gathers, scatters | 0.0 | 0.5 |" in out
+    r = subprocess.run([sys.executable, "benchmarks/titan.py", "--titan-site", str(tmp_path),
+                        "--kernel-profile", "--memory-peaks", "--dry-run"],
+                       capture_output=True, text=True, cwd=titan.ROOT)  # fmt: skip
+    assert r.returncode == 2 and "one at a time" in r.stderr
