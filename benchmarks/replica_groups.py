@@ -21,8 +21,8 @@ rank, which heals from a peer). For each kill, the seconds from it to each survi
 committed step (its ledger) and whether the kill failed a survivor's step attempt (it came
 in the all-reduce); at the end, the largest of them against the heartbeat timeout plus the
 survivors' median step (the goal: every one within it; the exit status says so), and how
-many committed steps kept a failed attempt's work (the survivors' own shares, trained
-before the kill, and the dead group's rows between them):
+many committed steps kept work trained before the quorum that dropped the dead group (the
+survivors' own shares, then the dead group's rows between them):
 
     PYTHONPATH=$PWD python benchmarks/replica_groups.py --groups 3 --kills 50
 
@@ -195,17 +195,17 @@ def kills(args) -> int:
     step_s = statistics.median(steps) / 1e3
     bound = HEARTBEAT_S + step_s
     over = [g - bound for g in gaps if g > bound]
-    # The step in flight when the kill came fails at its all-reduce, the quorum waits for the
-    # Lighthouse to drop the dead group, then the survivors train the dead group's rows
-    # between them, keeping the failed attempt's gradients: within the heartbeat timeout and
-    # a step (the goal, the exit status), or a kill that came between two steps (nothing in
-    # flight to keep: a step of the survivors' larger shares).
+    # The step in flight when the kill came fails at its all-reduce (or, killed between two
+    # steps, the next one trains ahead of its quorum while the Lighthouse waits out the dead
+    # group's heartbeat); under the quorum without it the survivors keep what they trained
+    # and train its rows between them: within the heartbeat timeout and a step (the goal,
+    # the exit status).
     kept = sum("extra" in x for d in dirs for x in ledger(d) if x["committed"])
     print(f"{args.kills} kills: the survivors committed again after {statistics.median(gaps):.2f} s "
           f"(median), {max(gaps):.2f} s at most (ft.timeout_s {args.timeout_s:g} s). The heartbeat "
           f"timeout {HEARTBEAT_S:g} s + a step ({step_s * 1e3:.0f} ms, the median): {bound:.2f} s, "
           f"{len(over)} of {len(gaps)} over it" + (f" by {max(over):.2f} s at most" if over else "")
-          + f"; {kept} committed steps kept a failed attempt's work")  # fmt: skip
+          + f"; {kept} committed steps kept work trained before the quorum that dropped a group")  # fmt: skip
     return int(bool(over))
 
 

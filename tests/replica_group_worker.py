@@ -9,6 +9,10 @@ all-reduce between groups of its first step from STEP on that every group of ft.
 trains: the other groups of that quorum are then inside the all-reduce, waiting on it. It
 writes the time it dies (time.time()) to the file DIED names, first.
 
+With DIE_AFTER=STEP, it SIGKILLs itself once it has committed its first step from STEP on
+(counted from 1) that every group of ft.groups trained, before the next step asks for its
+quorum: between two steps, nothing of its in flight.
+
 With WAIT_FOR=FILE and WAIT_AT=STEP, a smaller quorum's steps from STEP on wait until FILE
 exists (a group that must not end the job before a late one has started).
 
@@ -30,6 +34,7 @@ from pytrain.train.cli import main
 
 PACE = float(sys.argv[1])
 DIE_AT = int(os.environ.get("DIE_AT", "-1"))
+DIE_AFTER = int(os.environ.get("DIE_AFTER", "-1"))
 GROUPS = int([b for a, b in zip(sys.argv, sys.argv[1:], strict=False) if a == "--ft.groups"][-1])
 attempt = replica_groups.ReplicaGroupTrainer.train_step
 build = replica_groups.ReplicaGroupTrainer._build
@@ -39,6 +44,8 @@ sum_over_groups = replica_groups.sum_over_groups
 def paced(self, batches, prefetch=None):
     t0 = time.perf_counter()
     p = attempt(self, batches, prefetch)
+    if 0 <= DIE_AFTER <= self.step + 1 and self.manager.num_participants() == GROUPS:
+        died()  # committed a step of every group: dead before the next one begins
     if self.manager.num_participants() < self.cfg.ft.groups:
         if "WAIT_FOR" in os.environ and self.step >= int(os.environ["WAIT_AT"]):
             while not os.path.exists(os.environ["WAIT_FOR"]):
@@ -47,11 +54,15 @@ def paced(self, batches, prefetch=None):
     return p
 
 
+def died():
+    with open(os.environ["DIED"], "w") as f:
+        f.write(f"{time.time()}\n")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def dying(manager, *args, **kwargs):
     if 0 <= DIE_AT <= manager.current_step() and manager.num_participants() == GROUPS:
-        with open(os.environ["DIED"], "w") as f:
-            f.write(f"{time.time()}\n")
-        os.kill(os.getpid(), signal.SIGKILL)
+        died()
     return sum_over_groups(manager, *args, **kwargs)
 
 

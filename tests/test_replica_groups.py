@@ -278,15 +278,54 @@ def test_groups_of_experts_train_every_row_once_as_one_process_through_a_death(
         ]  # fmt: skip
         assert finish(procs, tmp_path)[:2] == [0, 0], output(tmp_path, 0)[-3000:]
     by_step = assert_every_row_once(tmp_path, ft_data)
-    # (a step before may have been two groups' too: one that came late heals at the next)
-    assert {x["group"] for x in by_step[29]} == {0, 1, 2}
-    assert all(len(by_step[s]) == 2 for s in range(30, STEPS))
-    assert all("extra" in x for x in by_step[30]), by_step[30]  # the step group 2 died in
-    assert not any("extra" in x for s in range(31, STEPS) for x in by_step[s])
+    died_in = min(x["step"] for x in ledger_failures(tmp_path, range(30, STEPS)))
+    assert died_in >= 30 and {x["group"] for x in by_step[died_in - 1]} == {0, 1, 2}
+    assert all(len(by_step[s]) == 2 for s in range(died_in, STEPS))
+    assert all("extra" in x for x in by_step[died_in]), by_step[died_in]
+    assert not any("extra" in x for s in range(died_in + 1, STEPS) for x in by_step[s])
     assert_same_state(tmp_path, range(2))
     bias = final_tensors(tmp_path, 0)["model.blocks.0.mlp.expert_bias"]
     assert bias.any()  # it moved, alike in every group
     assert_losses_follow(tmp_path, reference(ROWS, *MOE))
+
+
+@pytest.mark.slow
+def test_a_group_dead_between_two_steps_holds_the_others_up_for_the_heartbeat_and_half_a_step(
+    ft_data, tmp_path, reference
+):
+    """Group 2 dies once it has committed a step of all three (from step 40 on), before the
+    next asks for its quorum. The two others train that next step ahead of its quorum under
+    the last one's cut while the Lighthouse waits out group 2's heartbeat, then keep it and
+    train group 2's rows between them (each its `extra`, kept from the last step's quorum):
+    every row once, losses one process's. Before, they waited for the quorum and trained the
+    step whole at half again their share."""
+    died = tmp_path / "died"
+    with lighthouse(tmp_path, 2) as (addr, _):
+        procs = [
+            start_group(addr, k, ft_data, tmp_path,
+                        env={"DIE_AFTER": "40", "DIED": str(died)} if k == 2 else None)
+            for k in range(3)
+        ]  # fmt: skip
+        assert finish(procs, tmp_path)[:2] == [0, 0], output(tmp_path, 0)[-3000:]
+    by_step = assert_every_row_once(tmp_path, ft_data)
+    last = max(x["step"] for x in ledger(tmp_path, 2) if x["committed"])  # where group 2 died
+    assert last >= 39 and {x["group"] for x in by_step[last]} == {0, 1, 2}
+    assert all(len(by_step[s]) == 2 for s in range(last + 1, STEPS))
+    (quorum,) = {x["quorum"] for x in by_step[last]}
+    assert [x.get("kept_from") for x in by_step[last + 1]] == [quorum] * 2, by_step[last + 1]
+    assert not any(ledger_failures(tmp_path, s) for s in range(last, STEPS))
+    when = float(died.read_text())
+    back = max(x["time"] for x in by_step[last + 1]) - when
+    print(f"groups 0 and 1 committed again {back:.2f}s after group 2 died between two steps")
+    assert_same_state(tmp_path, range(2))
+    assert_losses_follow(tmp_path, reference())
+
+
+def ledger_failures(tmp_path: Path, steps: range | int) -> list[dict]:
+    """The attempts of `steps` (counted from 0) that did not commit, in any group's ledger."""
+    steps = range(steps, steps + 1) if isinstance(steps, int) else steps
+    return [x for k in range(GROUPS) for x in ledger(tmp_path, k)
+            if x["step"] in steps and not x["committed"]]  # fmt: skip
 
 
 def test_a_step_is_cut_into_contiguous_shares_that_differ_by_one_row_at_most():

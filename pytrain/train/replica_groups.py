@@ -20,6 +20,11 @@ Manager, in each group, sits between the backward and the optimizer step:
    keep that attempt's gradients and train only the dead groups' rows between them (_keep,
    pytrain.train.step_rows.Kept): after a kill, about a step over the quorum's size, not
    a whole step again.
+5. A group that committed its last step trains the next one ahead of its quorum, cut as
+   the last (_ahead): the quorum is asked for on another thread meanwhile, and its answer
+   checked after the backward (_settle_ahead). The same groups: nothing was waited for. The
+   same less some that died (the Lighthouse answered after their heartbeat timeout, time the
+   step trained in): kept, as in 4. Else the step is cut anew and trained again.
 
 Each group writes its own checkpoints under runs/NAME/groupN/."""
 
@@ -30,7 +35,9 @@ import json
 import os
 import re
 import socket
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import NoReturn
@@ -330,6 +337,14 @@ class ReplicaGroupTrainer(Trainer):
         self._pending: tuple[int, int, list[str], int, torch.Tensor] | None = None
         self._kept: Kept | None = None  # what the open attempt keeps
         self._kept_from = (0, torch.zeros(()))  # its quorum's id, and its loss
+        # The last committed step's quorum: (this group's place, its groups, their replica
+        # ids, torchft's id), the cut the next step trains while its quorum forms (_ahead).
+        self._last: tuple[int, int, list[str], int] | None = None
+        self._asked: Future | None = None  # that quorum, asked for on _pool's thread
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="quorum")
+        self._ahead_lock = threading.Lock()  # held while a step trains ahead of its quorum
+        self._step_rng: dict | None = None  # the RNG at such a step's start, for a healing peer
+        self.rows_feed.ahead = self._ahead
 
     def _manager(self):
         ft, tf = self.cfg.ft, self.torchft
@@ -369,11 +384,19 @@ class ReplicaGroupTrainer(Trainer):
 
     # ---- healing: what a peer sends and what this group loads (pytrain.train.peer_state) ----
     def _peer_state(self) -> dict:
-        return peer_state.collect(self)
+        # Read after a step that trains ahead of its quorum has run its backward, not during
+        # it (torchft asks on its own thread; FSDP2's state dict would meet the forward's
+        # gathered parameters); the weights and the optimizer are still the step's start's.
+        with self._ahead_lock:
+            state = peer_state.collect(self)
+        if self._step_rng is not None:  # the forward may have drawn from it since
+            state["rng"] = self._step_rng
+        return state
 
     def _load_peer_state(self, state: dict) -> None:
         try:
-            peer_state.load(self, state)
+            with self._ahead_lock:  # not into weights that a step ahead still trains with
+                peer_state.load(self, state)
         except Exception as e:  # not the quorum's failure: said as it is
             raise HealFailed(f"group {self.cfg.ft.group} could not load a peer's state: {e}") from e
         self._healed = self.step
@@ -428,6 +451,64 @@ class ReplicaGroupTrainer(Trainer):
         self._kept, self._kept_from = kept, (quorum_id, loss)
         return kept
 
+    def _ahead(self) -> tuple[int, int] | None:
+        """The cut a step trains while its quorum forms, the quorum asked for on another
+        thread: the last step's, where this group committed it (the quorum's furthest step,
+        so it heals from none) and no attempt failed since (a failed step waits for its
+        quorum, _keep). The Lighthouse answers at once where every group of the last quorum
+        asks again; where one died, after its heartbeat timeout, time in which the step
+        trains: the survivors then keep it and train the dead group's rows between them
+        (_settle_ahead)."""
+        if self._last is None or self._pending is not None:
+            return None
+        if self.cfg.model.dropout:  # the forward draws from the RNG: a healing peer's is this
+            self._step_rng = checkpoint.rng_state()
+        self._asked = self._pool.submit(self._ask_quorum)
+        return self._last[0], self._last[1]
+
+    def _ask_quorum(self) -> None:
+        t0 = time.perf_counter()
+        self.manager.start_quorum()
+        self._quorum_s = time.perf_counter() - t0
+
+    def _settle_ahead(
+        self, denom: float, loss_sum: torch.Tensor, fallbacks: list[str]
+    ) -> tuple[torch.Tensor, list[str]]:
+        """The quorum that _ahead asked for, once the step trained ahead of it: the same
+        groups in the same places, the step goes on; the same less some that died, this
+        group keeps what it trained and trains its part of the dead groups' rows (Kept, as
+        _keep); else (a group joined, this one healed) the step is cut by the quorum and
+        trained again. Every group of the quorum decides alike from the same quorum."""
+        asked, self._asked, self._step_rng = self._asked, None, None
+        assert asked is not None and self._last is not None
+        try:
+            asked.result()
+        except HealFailed:
+            raise
+        except Exception as e:  # torchft's TimeoutError or RuntimeError from its RPCs
+            self._stop_without_quorum(e)
+        healed = self._healed is not None
+        if healed:
+            self.say(f"healed from a peer at step {self._healed} in {self._quorum_s:.2f}s")
+            self._healed = None
+        place, groups = self.manager.participating_rank(), self.manager.num_participants()
+        assert place is not None, "a synchronous quorum has every group in its step"
+        was, was_groups, ids, quorum_id = self._last
+        now = list(self.quorums.last.replica_ids)
+        if not healed and now == ids:
+            return loss_sum, fallbacks
+        kept = Kept(was, was_groups, tuple(i for i, r in enumerate(ids) if r not in now))
+        if (
+            not healed
+            and kept.lost
+            and set(now) <= set(ids)
+            and len(lost_rows(self.rows, kept)) >= groups * self.dist.world_size
+        ):
+            self._kept, self._kept_from = kept, (quorum_id, loss_sum)
+            return self._top_up(self.rows_feed.cut(place, groups, kept), denom)
+        self.gpt.discard_step()  # what the step routed ahead of its quorum
+        return self._backward_with_fallback(self.rows_feed.cut(place, groups, None), denom)
+
     def _stop_if_job_done(self) -> None:
         """NothingToDo where the peers ended the job while this group was being built: it
         passed the check in __init__ then, and would now train the job again from its own
@@ -472,11 +553,16 @@ class ReplicaGroupTrainer(Trainer):
         # all of the step's rows).
         votes = distributed.all_sums(list(self.stop.vote()), self.dist, self.device)
         denom = max(self.rows_feed.loss_tokens, 1)
-        kept = self._kept
-        if kept is None:
+        if self._asked is not None:  # cut ahead of its quorum (_ahead)
+            self._kept = None
+            with self._ahead_lock:
+                loss_sum, fallbacks = self._backward_with_fallback(batches, denom)
+            loss_sum, fallbacks = self._settle_ahead(denom, loss_sum, fallbacks)
+        elif self._kept is None:
             loss_sum, fallbacks = self._backward_with_fallback(batches, denom)
         else:
             loss_sum, fallbacks = self._top_up(batches, denom)
+        kept = self._kept
         t0 = time.perf_counter()
         ft, place, size = (
             self.cfg.ft,
@@ -493,6 +579,7 @@ class ReplicaGroupTrainer(Trainer):
         if total is None:
             self.say(f"step {self.step + 1} not committed under this quorum of {size} group(s): "
                      f"{self._why_not()}; tried again (detail in {self.ft_log})")  # fmt: skip
+            self._last = None  # the next attempt waits for its quorum
             if kept is None and not fallbacks:  # kept or dropped at the next quorum (_keep)
                 quorum_id, _ = self.quorums.id_and_members()
                 ids = list(self.quorums.last.replica_ids)
@@ -502,6 +589,8 @@ class ReplicaGroupTrainer(Trainer):
             return None
         self.rows_feed.commit()
         self._committed = True
+        quorum_id, _ = self.quorums.id_and_members()
+        self._last = (place, size, list(self.quorums.last.replica_ids), quorum_id or 0)
         loss = distributed.all_sum_tensor(total, self.dist) / denom
         tokens = self.rows * self.cfg.data.seq_len
         return self.update(loss, denom, tokens, fallbacks, self.stop.agreed(*votes))
@@ -590,6 +679,8 @@ class ReplicaGroupTrainer(Trainer):
     def close(self, status: str = "FAILED") -> None:
         if self.ledger is not None:
             self.ledger.close()
+        if hasattr(self, "_pool"):
+            self._pool.shutdown(wait=False, cancel_futures=True)
         self.manager.shutdown(wait=False)
         from pytrain.train import ft_logs
 

@@ -88,6 +88,10 @@ class StepRows:
         self.quorum: Callable[[], tuple[int, int, Kept | None]] = lambda: (0, 1, None)
         """(this group's place in the step's quorum, the quorum's groups, what this group
         keeps of the step's failed attempt or None)."""
+        self.ahead: Callable[[], tuple[int, int] | None] = lambda: None
+        """Where the step is cut while its quorum forms: (place, groups) of the last
+        committed step's quorum, the quorum asked for on another thread; or None, to wait
+        for the quorum first."""
         self.loss_tokens = 0
         """Loss tokens of the step's rows, over every group."""
         self.group_rows = (0, 0)
@@ -97,18 +101,31 @@ class StepRows:
         """Under a Kept quorum, the indices within the step of the lost groups' rows that this
         group trains in this attempt; else None."""
         self._rows: tuple[torch.Tensor, torch.Tensor] | None = None  # the step's tokens, doc ids
+        self._epochs: list[int] = []  # the epoch of each loader batch of the step
         self._start: dict | None = None  # loader state before the open step's rows
 
     def take(self, n: int = 0) -> tuple[list[DeviceBatch], FeedTime]:
         """This rank's micro-batches of the next step (`n`, DeviceFeed's count, is decided
         here by the quorum) and the host's time spent on them: its part of the group's share,
-        or under a Kept quorum its part of the group's piece of the lost groups' rows."""
-        group, groups, kept = self.quorum()
+        or under a Kept quorum its part of the group's piece of the lost groups' rows. Where
+        `ahead` gives a cut, the step is cut so while the quorum forms (the trainer asked
+        for it), and `cut` cuts it again once the quorum says otherwise."""
+        ahead = self.ahead()
+        group, groups, kept = (*ahead, None) if ahead is not None else self.quorum()
         waited, t0 = self.loader.waited_s(), time.perf_counter()
         self._start = self.loader.state_dict()
-        tokens, doc_ids, epochs = self._read()
+        tokens, doc_ids, self._epochs = self._read()
         self._rows = tokens, doc_ids
         self.loss_tokens = int(loss_mask(doc_ids).sum())
+        batches = self.cut(group, groups, kept)
+        spent = FeedTime(self.loader.waited_s() - waited, time.perf_counter() - t0)
+        return batches, spent
+
+    def cut(self, group: int, groups: int, kept: Kept | None) -> list[DeviceBatch]:
+        """The open step's micro-batches of this rank as place `group` of a quorum of
+        `groups` cuts them (under `kept`: of the lost groups' rows only)."""
+        assert self._rows is not None
+        tokens, doc_ids = self._rows
         if kept is None:
             first, end = self.group_rows = share(self.rows, groups, group)
             self.extra_rows = None
@@ -119,15 +136,13 @@ class StepRows:
             index = self.extra_rows = lost[slice(*share(len(lost), groups, group))]
         mine = index[slice(*share(len(index), self.ranks, self.rank))]
         size = self.loader.config.batch_size
-        batches = [
-            _host_batch(tokens[part], doc_ids[part], epochs[int(part[0]) // size]).to(
+        return [
+            _host_batch(tokens[part], doc_ids[part], self._epochs[int(part[0]) // size]).to(
                 self.device, self.segments
             )
             for part in mine.split(size)
             if len(part)
         ]
-        spent = FeedTime(self.loader.waited_s() - waited, time.perf_counter() - t0)
-        return batches, spent
 
     def _read(self) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """The step's rows from the loader (copied: the slots go back at once), and the epoch
