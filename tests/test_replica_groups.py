@@ -278,8 +278,10 @@ def test_groups_of_experts_train_every_row_once_as_one_process_through_a_death(
         ]  # fmt: skip
         assert finish(procs, tmp_path)[:2] == [0, 0], output(tmp_path, 0)[-3000:]
     by_step = assert_every_row_once(tmp_path, ft_data)
-    died_in = min(x["step"] for x in ledger_failures(tmp_path, range(30, STEPS)))
-    assert died_in >= 30 and {x["group"] for x in by_step[died_in - 1]} == {0, 1, 2}
+    # (the first step from 30 on that all three trained: under load a group may come late)
+    failed = ledger_failures(tmp_path, range(30, STEPS))
+    died_in = min(x["step"] for x in failed)
+    assert {x["groups"] for x in failed if x["step"] == died_in} == {3}
     assert all(len(by_step[s]) == 2 for s in range(died_in, STEPS))
     assert all("extra" in x for x in by_step[died_in]), by_step[died_in]
     assert not any("extra" in x for s in range(died_in + 1, STEPS) for x in by_step[s])
