@@ -32,7 +32,8 @@ def trace_summary(path: Path, top: int = 20) -> dict:
             continue
         name, us = str(e["name"]), float(e.get("dur", 0.0))
         kernels[name] = kernels.get(name, 0.0) + us
-        by_cat[category(name)] = by_cat.get(category(name), 0.0) + us
+        cat = category(name)
+        by_cat[cat] = by_cat.get(cat, 0.0) + us
     step_ms = sum(float(e["dur"]) for e in steps) / 1e3 / n
     busy = sum(by_cat.values()) / 1e3 / n
     return {

@@ -54,6 +54,10 @@ from pytrain.train.step_rows import Kept, StepRows, lost_rows, runs
 from pytrain.train.stopping import NothingToDo
 from pytrain.train.trainer import Trainer
 
+Cut = tuple[int, list[str], int]
+"""How a quorum cut a step for this group: its place, the quorum's replica ids (its groups,
+in place order), torchft's id of it."""
+
 
 class HealFailed(RuntimeError):
     """A peer's state did not load into this group (a bug, or groups run with other
@@ -333,13 +337,13 @@ class ReplicaGroupTrainer(Trainer):
         self._quorum_s = 0.0  # the last quorum's seconds
         self._committed = False  # whether this process committed a step
         # A failed attempt's work, until the next quorum says whether it is kept (_keep):
-        # (the step, its quorum's torchft id and replica ids, this group's place, the loss).
-        self._pending: tuple[int, int, list[str], int, torch.Tensor] | None = None
+        # (the step, the quorum it was cut by, its loss).
+        self._pending: tuple[int, Cut, torch.Tensor] | None = None
         self._kept: Kept | None = None  # what the open attempt keeps
         self._kept_from = (0, torch.zeros(()))  # its quorum's id, and its loss
-        # The last committed step's quorum: (this group's place, its groups, their replica
-        # ids, torchft's id), the cut the next step trains while its quorum forms (_ahead).
-        self._last: tuple[int, int, list[str], int] | None = None
+        # The last committed step's quorum, the cut the next step trains while its quorum
+        # forms (_ahead).
+        self._last: Cut | None = None
         self._asked: Future | None = None  # that quorum, asked for on _pool's thread
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="quorum")
         self._ahead_lock = threading.Lock()  # held while a step trains ahead of its quorum
@@ -417,36 +421,49 @@ class ReplicaGroupTrainer(Trainer):
         self._quorum_s = time.perf_counter() - t0
         if not self._committed and groups < self.cfg.ft.groups:
             self._stop_if_job_done()
-        healed = self._healed is not None
-        if healed:
-            self.say(f"healed from a peer at step {self._healed} in {self._quorum_s:.2f}s")
-            self._healed = None
+        healed = self._said_heal()
         assert place is not None, "a synchronous quorum has every group in its step"
         return place, groups, self._keep(groups, healed)
 
+    def _said_heal(self) -> bool:
+        """Whether the quorum just formed healed this group (said in one line)."""
+        if self._healed is None:
+            return False
+        self.say(f"healed from a peer at step {self._healed} in {self._quorum_s:.2f}s")
+        self._healed = None
+        return True
+
     def _keep(self, groups: int, healed: bool) -> Kept | None:
-        """Whether the attempt under this quorum keeps the work of the step's last one, which
-        failed (pytrain.train.step_rows): where this quorum is that one's groups less some
-        that died (the same processes: a restarted group is a new replica id), no group
-        healed (all are at the step: a healed one was behind, or one of them committed it),
-        and the lost groups' rows give each rank of each survivor one at least. Every group
-        of the quorum decides alike from the same quorum. Else that work is dropped: the
-        step is cut anew and trained from zeroed gradients."""
+        """What the attempt under this quorum keeps of the step's last one, which failed
+        (_survivors_keep), or None: that work is then dropped, the step cut anew and
+        trained from zeroed gradients."""
         pending, self._pending, self._kept = self._pending, None, None
         if pending is None:
             return None
-        step, quorum_id, ids, place, loss = pending
+        step, was, loss = pending
+        if step != self.step or (kept := self._survivors_keep(was, loss, groups, healed)) is None:
+            self.gpt.discard_step()  # its rows are given back: so is what they routed
+            return None
+        return kept
+
+    def _survivors_keep(
+        self, was: Cut, loss: torch.Tensor, groups: int, healed: bool
+    ) -> Kept | None:
+        """Kept, where the quorum just formed (of `groups`) is the groups of `was` (the quorum
+        that work was trained under) less some that died: the same processes (a restarted
+        group is a new replica id), none healed (all at the step: a healed one was behind,
+        or one of them committed it), and the dead groups' rows give each rank of each
+        survivor one at least. Every group of the quorum decides alike from the same
+        quorum. The work's loss and quorum go to _kept_from."""
+        place, ids, quorum_id = was
         now = list(self.quorums.last.replica_ids)
-        lost = tuple(i for i, r in enumerate(ids) if r not in now)
-        kept = Kept(place, len(ids), lost)
+        kept = Kept(place, len(ids), tuple(i for i, r in enumerate(ids) if r not in now))
         if (
             healed
-            or step != self.step
-            or not lost
+            or not kept.lost
             or not set(now) <= set(ids)
             or len(lost_rows(self.rows, kept)) < groups * self.dist.world_size
         ):
-            self.gpt.discard_step()  # its rows are given back: so is what they routed
             return None
         self._kept, self._kept_from = kept, (quorum_id, loss)
         return kept
@@ -464,7 +481,8 @@ class ReplicaGroupTrainer(Trainer):
         if self.cfg.model.dropout:  # the forward draws from the RNG: a healing peer's is this
             self._step_rng = checkpoint.rng_state()
         self._asked = self._pool.submit(self._ask_quorum)
-        return self._last[0], self._last[1]
+        place, ids, _ = self._last
+        return place, len(ids)
 
     def _ask_quorum(self) -> None:
         t0 = time.perf_counter()
@@ -487,24 +505,12 @@ class ReplicaGroupTrainer(Trainer):
             raise
         except Exception as e:  # torchft's TimeoutError or RuntimeError from its RPCs
             self._stop_without_quorum(e)
-        healed = self._healed is not None
-        if healed:
-            self.say(f"healed from a peer at step {self._healed} in {self._quorum_s:.2f}s")
-            self._healed = None
+        healed = self._said_heal()
         place, groups = self.manager.participating_rank(), self.manager.num_participants()
         assert place is not None, "a synchronous quorum has every group in its step"
-        was, was_groups, ids, quorum_id = self._last
-        now = list(self.quorums.last.replica_ids)
-        if not healed and now == ids:
+        if not healed and list(self.quorums.last.replica_ids) == self._last[1]:
             return loss_sum, fallbacks
-        kept = Kept(was, was_groups, tuple(i for i, r in enumerate(ids) if r not in now))
-        if (
-            not healed
-            and kept.lost
-            and set(now) <= set(ids)
-            and len(lost_rows(self.rows, kept)) >= groups * self.dist.world_size
-        ):
-            self._kept, self._kept_from = kept, (quorum_id, loss_sum)
+        if (kept := self._survivors_keep(self._last, loss_sum, groups, healed)) is not None:
             return self._top_up(self.rows_feed.cut(place, groups, kept), denom)
         self.gpt.discard_step()  # what the step routed ahead of its quorum
         return self._backward_with_fallback(self.rows_feed.cut(place, groups, None), denom)
@@ -581,19 +587,21 @@ class ReplicaGroupTrainer(Trainer):
                      f"{self._why_not()}; tried again (detail in {self.ft_log})")  # fmt: skip
             self._last = None  # the next attempt waits for its quorum
             if kept is None and not fallbacks:  # kept or dropped at the next quorum (_keep)
-                quorum_id, _ = self.quorums.id_and_members()
-                ids = list(self.quorums.last.replica_ids)
-                self._pending = (self.step, quorum_id or 0, ids, place, loss_sum)
+                self._pending = (self.step, self._cut(place), loss_sum)
             else:
                 self.gpt.discard_step()  # its rows are given back: so is what they routed
             return None
         self.rows_feed.commit()
         self._committed = True
-        quorum_id, _ = self.quorums.id_and_members()
-        self._last = (place, size, list(self.quorums.last.replica_ids), quorum_id or 0)
+        self._last = self._cut(place)
         loss = distributed.all_sum_tensor(total, self.dist) / denom
         tokens = self.rows * self.cfg.data.seq_len
         return self.update(loss, denom, tokens, fallbacks, self.stop.agreed(*votes))
+
+    def _cut(self, place: int) -> Cut:
+        """The quorum that cut this attempt, as _survivors_keep compares a later one with it."""
+        quorum_id, _ = self.quorums.id_and_members()
+        return place, list(self.quorums.last.replica_ids), quorum_id or 0
 
     def _top_up(self, batches, denom: float) -> tuple[torch.Tensor, list[str]]:
         """Forward and backward of this rank's part of the lost groups' rows (`batches`),

@@ -136,13 +136,16 @@ class StepRows:
             index = self.extra_rows = lost[slice(*share(len(lost), groups, group))]
         mine = index[slice(*share(len(index), self.ranks, self.rank))]
         size = self.loader.config.batch_size
-        return [
-            _host_batch(tokens[part], doc_ids[part], self._epochs[int(part[0]) // size]).to(
-                self.device, self.segments
-            )
-            for part in mine.split(size)
-            if len(part)
-        ]
+        batches = []
+        for part in mine.split(size):
+            if not len(part):
+                continue
+            first, last = int(part[0]), int(part[-1])
+            # Consecutive rows (a share always; the lost rows mostly) as a view, not a copy.
+            rows = slice(first, last + 1) if last - first + 1 == len(part) else part
+            batch = _host_batch(tokens[rows], doc_ids[rows], self._epochs[first // size])
+            batches.append(batch.to(self.device, self.segments))
+        return batches
 
     def _read(self) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """The step's rows from the loader (copied: the slots go back at once), and the epoch
