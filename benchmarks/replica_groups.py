@@ -3,8 +3,8 @@ quorum and commit cost a step, and how long a killed group takes to train again.
 
     PYTHONPATH=$PWD python benchmarks/replica_groups.py [--groups 2] [--steps 300] [--work DIR]
     # one GPU, one group (no ft-kill row: there is no peer to heal from), a preset's model:
-    PYTHONPATH=$PWD python benchmarks/replica_groups.py --groups 1 --kill-at 0 --steps 100 \
-        --flags "--config configs/gpt2-124m.toml --optim.grad_accum 1"
+    PYTHONPATH=$PWD python benchmarks/replica_groups.py --groups 1 --kill-at 0 --steps 30 \
+        --flags "--config configs/llama-350m.toml"
 
 On the embedded default dataset (built once), a small GPT at one global batch, rows:
   plain    one torchrun job of GROUPS gloo ranks (DDP), no torchft
@@ -63,9 +63,12 @@ def train_flags(work: Path, name: str, steps: int, extra: list[str]) -> list[str
     from pytrain.data.corpus import build_default
 
     train, _ = build_default()
-    return ["--data.path", str(train), "--out_dir", str(work), "--name", name,
-            "--model.n_layer", "4", "--model.n_head", "4", "--model.d_model", "128",
-            "--data.seq_len", "128", "--data.batch_size", "4", "--optim.grad_accum", "1",
+    # A small GPT unless the flags name a preset, which then runs as shipped (its model,
+    # rows and accumulation): flags override a preset, so these would replace its shape.
+    small = [] if "--config" in extra else [
+        "--model.n_layer", "4", "--model.n_head", "4", "--model.d_model", "128",
+        "--data.seq_len", "128", "--data.batch_size", "4", "--optim.grad_accum", "1"]  # fmt: skip
+    return ["--data.path", str(train), "--out_dir", str(work), "--name", name, *small,
             "--max_steps", str(steps), "--eval_every", "0", "--ckpt_every", "0", "--samples", "0",
             "--log_every", "1", "--no-tensorboard", "--no-progress", "--no-compile.safe_env",
             *extra]  # fmt: skip

@@ -749,3 +749,23 @@ def test_groups_of_two_fsdp2_ranks_heal_each_rank_from_its_peer(ft_data, tmp_pat
     assert {lines[0]["groups"] for lines in by_step.values()} == {1, 2}
     assert_same_state(tmp_path, range(2))
     assert_losses_follow(tmp_path, reference(8), rtol=1e-5)
+
+
+def test_the_cost_benchmark_runs_a_named_preset_as_shipped(monkeypatch, tmp_path):
+    """benchmarks/replica_groups.py's runs are a small GPT unless --flags name a preset: then
+    the preset's own shape and accumulation (flags override a preset, so the small GPT's
+    would have replaced them)."""
+    from conftest import load_script
+
+    import pytrain.data.corpus
+
+    bench = load_script("benchmarks/replica_groups.py", "replica_groups_bench")
+    data = tmp_path / "train"
+    monkeypatch.setattr(pytrain.data.corpus, "build_default", lambda: (data, None))
+    preset = parse_args(
+        bench.train_flags(tmp_path, "ft", 30, ["--config", "configs/llama-350m.toml"])
+    )
+    assert (preset.model.n_layer, preset.model.d_model, preset.data.seq_len) == (24, 1024, 2048)
+    assert (preset.optim.grad_accum, preset.max_steps, preset.eval_every) == (0, 30, 0)
+    small = parse_args(bench.train_flags(tmp_path, "ft", 30, []))
+    assert (small.model.n_layer, small.model.d_model, small.optim.grad_accum) == (4, 128, 1)
