@@ -567,7 +567,10 @@ def test_compact_adamw_compiles_on_the_gpu_and_follows_torch_adamw():
 def test_cli_run_with_evaluation_checkpoints_and_resume(tmp_path: Path):
     """The path users take: `python -m pytrain.train` on CUDA, compiled (FlexAttention
     document masking), evaluating three times with 2 loader slots (the first evaluation
-    crashed with "all 2 slots are held"), checkpointing, then resuming."""
+    crashed with "all 2 slots are held"), checkpointing, then resuming. Every step has a
+    line: those read at once (before an evaluation or a checkpoint, the last of each
+    invocation) are timed like the rest, by the device's events (StepClock), so the last
+    line's tokens/s is the run's, not a read between two host waits."""
     import re
     import subprocess
 
@@ -580,7 +583,7 @@ def test_cli_run_with_evaluation_checkpoints_and_resume(tmp_path: Path):
            "--out_dir", str(tmp_path / "runs"), "--model.n_layer", "2", "--model.d_model", "128",
            "--data.seq_len", "256", "--data.batch_size", "4", "--data.slots", "2",
            "--eval_every", "5", "--eval_batches", "3", "--ckpt_every", "10", "--samples", "1",
-           "--max_steps", "20", "--halt_after", "10"]  # fmt: skip
+           "--max_steps", "20", "--halt_after", "10", "--log_every", "1"]  # fmt: skip
     outs = [subprocess.run(cmd, capture_output=True, text=True, timeout=900) for _ in range(2)]
     for r in outs:
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -594,6 +597,11 @@ def test_cli_run_with_evaluation_checkpoints_and_resume(tmp_path: Path):
 
     steps = read_step_lines(log)  # the allocator's peaks on every line: held >= used > 0
     assert steps and all(x["reserved_gib"] >= x["allocated_gib"] > 0 for x in steps), steps
+    assert [int(x["step"]) for x in steps] == list(range(1, 21)), log
+    rates = {int(x["step"]): x["tok/s"] for x in steps if x["step"] not in (1, 11)}
+    usual = sorted(rates.values())[len(rates) // 2]  # the first of each invocation aside
+    read_at_once = (5, 10, 15, 20)
+    assert all(usual / 3 < rates[k] < usual * 3 for k in read_at_once), (usual, rates)
 
 
 @needs_cuda
