@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pytrain.train.profiling import category
+from pytrain.train.profiling import device_summary
 
 # Device work in a chrome trace: kernels, and the copies and fills the device runs.
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -24,28 +24,11 @@ def trace_summary(path: Path, top: int = 20) -> dict:
     steps = [e for e in spans if str(e.get("name", "")).startswith("ProfilerStep#")]
     if not steps:
         raise ValueError(f"{path}: no ProfilerStep# range: not a profiled step's trace")
-    n = len(steps)
-    by_cat: dict[str, float] = {}
-    kernels: dict[str, float] = {}
-    for e in spans:
-        if e.get("cat") not in DEVICE_CATS:
-            continue
-        name, us = str(e["name"]), float(e.get("dur", 0.0))
-        kernels[name] = kernels.get(name, 0.0) + us
-        cat = category(name)
-        by_cat[cat] = by_cat.get(cat, 0.0) + us
-    step_ms = sum(float(e["dur"]) for e in steps) / 1e3 / n
-    busy = sum(by_cat.values()) / 1e3 / n
-    return {
-        "steps": n,
-        "step_ms": step_ms,
-        "device_busy_ms": busy,
-        "device_idle_ms": step_ms - busy,
-        "categories_ms": {k: v / 1e3 / n for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
-        "top_kernels_ms": [
-            (k[:120], v / 1e3 / n) for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]
-        ],
-    }
+    step_ms = sum(float(e["dur"]) for e in steps) / 1e3 / len(steps)
+    kernel_us = (
+        (str(e["name"]), float(e.get("dur", 0.0))) for e in spans if e.get("cat") in DEVICE_CATS
+    )
+    return device_summary(kernel_us, len(steps), step_ms, top)
 
 
 def side_by_side(summaries: dict[str, dict]) -> tuple[list[str], list[list[str]]]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -49,22 +50,21 @@ def category(kernel: str) -> str:
     return "other"
 
 
-def kernel_summary(prof: torch.profiler.profile, steps: int, wall_s: float) -> dict:
-    """Device time per step by category (ms), the top kernels, and busy vs wall time."""
+def device_summary(
+    kernel_us: Iterable[tuple[str, float]], steps: int, step_ms: float, top: int = 40
+) -> dict:
+    """Device time a step by category (ms), the top kernels, and busy against the step's wall
+    time `step_ms`, from (kernel name, microseconds) over `steps` steps: a live profiler's
+    (kernel_summary) or a chrome trace's (benchmarks/chrome_trace.py)."""
     by_cat: dict[str, float] = {}
     kernels: dict[str, float] = {}
-    for evt in prof.key_averages():
-        us = getattr(evt, "self_device_time_total", 0.0) or 0.0
-        if us <= 0 or not _is_kernel(evt, evt.key):
-            continue
-        kernels[evt.key] = kernels.get(evt.key, 0.0) + us
-        cat = category(evt.key)
+    for name, us in kernel_us:
+        kernels[name] = kernels.get(name, 0.0) + us
+        cat = category(name)
         by_cat[cat] = by_cat.get(cat, 0.0) + us
     busy = sum(by_cat.values()) / 1e3 / steps
-    step_ms = wall_s * 1e3 / steps
-    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:40]
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1])[:top]
     return {
-        "idle_gaps": idle_gaps(prof, steps),
         "steps": steps,
         "step_ms": step_ms,
         "device_busy_ms": busy,
@@ -72,7 +72,21 @@ def kernel_summary(prof: torch.profiler.profile, steps: int, wall_s: float) -> d
         "categories_ms": {
             k: v / 1e3 / steps for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])
         },
-        "top_kernels_ms": [(k[:120], v / 1e3 / steps) for k, v in top],
+        "top_kernels_ms": [(k[:120], v / 1e3 / steps) for k, v in ranked],
+    }
+
+
+def kernel_summary(prof: torch.profiler.profile, steps: int, wall_s: float) -> dict:
+    """Device time per step by category (ms), the top kernels, and busy vs wall time."""
+    kernel_us = (
+        (evt.key, us)
+        for evt in prof.key_averages()
+        if (us := getattr(evt, "self_device_time_total", 0.0) or 0.0) > 0
+        and _is_kernel(evt, evt.key)
+    )
+    return {
+        "idle_gaps": idle_gaps(prof, steps),
+        **device_summary(kernel_us, steps, wall_s * 1e3 / steps),
         "matmuls": matmuls_by_shape(prof, steps),
     }
 
